@@ -1,0 +1,95 @@
+"""Command line: ``decisiond serve`` and ``decisiond decide``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from . import __version__, logs
+
+log = logging.getLogger("decisiond")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (the embedded SmolLM2-135M-Instruct), a local HF folder, a .gguf file, or a hub id")
+    p.add_argument("--served-model-name", default=None, help="name the model answers to (default: from --model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1… (default: cuda when available)")
+    p.add_argument("--log-level", default="info")
+
+
+def _engine(args: argparse.Namespace):
+    from .engine import model as model_mod
+    from .engine.local import LocalEngine
+
+    loaded = model_mod.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name)
+    log.info("model loaded", extra={"model": loaded.name, "path": loaded.path, "dtype": loaded.dtype,
+                                    "device": loaded.device, "context_length": loaded.context_length})
+    return LocalEngine(loaded)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .gateway.router import Router
+    from .server import Settings, create_app
+
+    app = create_app(Router(_engine(args)), Settings(max_body_bytes=args.max_body_bytes))
+    log.info("serving", extra={"host": args.host, "port": args.port})
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                timeout_keep_alive=60)
+    return 0
+
+
+def cmd_decide(args: argparse.Namespace) -> int:
+    """One decision from a JSON request (OpenAI's shape) read from a file or stdin; the response on stdout."""
+    from .dialects import openai as dialect
+    from .dialects.common import parse_json
+    from .errors import DecisionError
+    from .gateway.router import Router
+
+    raw = sys.stdin.buffer.read() if args.file in (None, "-") else open(args.file, "rb").read()
+    try:
+        request = dialect.parse_request(parse_json(raw))
+        router = Router(_engine(args))
+        result = asyncio.run(router.decide(request, strict=False))
+        out, code = dialect.render_response(result, request), 0
+    except DecisionError as error:
+        out, code = dialect.error_body(error), 1
+    json.dump(out, sys.stdout, indent=2 if args.pretty else None, ensure_ascii=False)
+    sys.stdout.write("\n")
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decisiond", description="Decision models from any chat LLM.")
+    parser.add_argument("--version", action="version", version=f"decisiond {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    serve.set_defaults(func=cmd_serve)
+
+    decide = sub.add_parser("decide", help="answer one decision request (JSON file or stdin) and print the answer")
+    _add_model_args(decide)
+    decide.add_argument("file", nargs="?", default="-", help="request JSON file, or - for stdin")
+    decide.add_argument("--pretty", action="store_true", help="indent the JSON output")
+    decide.set_defaults(func=cmd_decide)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Helpers every dialect shares: JSON bodies, pydantic errors turned into one DecisionError, JSON limits."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import DecisionError, Path, invalid, openai_param
+
+# OpenAI's documented limits on an input_json part.
+JSON_MAX_DEPTH = 32
+JSON_MAX_VALUES = 10_000
+JSON_MAX_BYTES = 256 * 1024
+
+
+class StrictModel(BaseModel):
+    """Wire models: no coercion (``1`` is not ``"1"``, ``"true"`` is not ``true``), no unknown keys."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw.strip():
+        raise DecisionError("The request body is empty; send a JSON object.", code="invalid_json", validation=True)
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise DecisionError(f"The request body is not valid JSON: {e}", code="invalid_json", validation=True) from e
+
+
+def json_path(loc: tuple, document: Any) -> Path:
+    """Keep the parts of a pydantic ``loc`` that name keys and indices of ``document``; drop union tags.
+
+    A last part that names a missing key is kept too (it is the missing field).
+    """
+    path: list[str | int] = []
+    node = document
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            path.append(part)
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+        elif i == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str) and not _is_tag(part):
+            path.append(part)
+    return tuple(path)
+
+
+def _is_tag(part: str) -> bool:
+    return "[" in part or ":" in part or part in ("str", "bool", "int", "float", "dict", "list", "function-after")
+
+
+_CODES = {
+    "missing": "missing_required_parameter",
+    "extra_forbidden": "unknown_parameter",
+    "too_short": "array_below_min_length",
+    "too_long": "array_above_max_length",
+    "union_tag_invalid": "invalid_value",
+    "union_tag_not_found": "missing_required_parameter",
+    "literal_error": "invalid_value",
+    "value_error": "invalid_value",
+    "string_too_long": "string_above_max_length",
+    "string_too_short": "string_below_min_length",
+}
+
+
+def from_validation(error: ValidationError, document: Any) -> DecisionError:
+    """One DecisionError for a pydantic error: the deepest problem, named by its JSON path."""
+    errors = error.errors(include_url=False)
+    scored = [(len(json_path(e["loc"], document)), -i, e) for i, e in enumerate(errors)]
+    _, _, best = max(scored, key=lambda s: (s[0], s[1]))
+    path = json_path(best["loc"], document)
+    if best["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        # The discriminator field itself is at fault: questions[0].type, not questions[0].
+        field = str(best.get("ctx", {}).get("discriminator", "")).strip("'")
+        if field.isidentifier():
+            path = (*path, field)
+    code = _CODES.get(best["type"], "invalid_type" if best["type"].endswith("_type") else "invalid_value")
+    shown = openai_param(path) or ""
+    if best["type"] == "missing":
+        message = f"Missing required parameter: '{shown}'."
+    elif best["type"] == "extra_forbidden":
+        message = f"Unknown parameter: '{shown}'."
+    else:
+        # Union members fail at the same place: say every way the value could have been right.
+        msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
+                                  if json_path(e["loc"], document) == json_path(best["loc"], document)))
+        msg = ", or ".join([msgs[0], *(m[:1].lower() + m[1:] for m in msgs[1:])])
+        message = f"Invalid value for '{shown}': {msg}." if shown else f"Invalid request: {msg}."
+    details = [
+        {"loc": list(e["loc"]), "msg": e["msg"].removeprefix("Value error, "), "type": e["type"]}
+        for e in errors
+    ]
+    return DecisionError(message, path, code=code, validation=True, details=details)
+
+
+def check_json_limits(data: Any, path: Path) -> None:
+    """OpenAI's input_json limits: 32 container levels, 10,000 values, 256 KiB of compact UTF-8 JSON."""
+    values = 0
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        values += 1
+        if isinstance(node, (dict, list)):
+            if depth > JSON_MAX_DEPTH:
+                raise invalid(f"JSON data nests deeper than {JSON_MAX_DEPTH} container levels", *path, code="limit_exceeded")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+        if values > JSON_MAX_VALUES:
+            raise invalid(f"JSON data holds more than {JSON_MAX_VALUES} values", *path, code="limit_exceeded")
+    size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > JSON_MAX_BYTES:
+        raise invalid(f"JSON data is {size} bytes of compact UTF-8, above the {JSON_MAX_BYTES} byte limit", *path,
+                      code="limit_exceeded")

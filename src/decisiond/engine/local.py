@@ -1,0 +1,116 @@
+"""The local decision engine: canonical request in, canonical result out, answered by a transformers model."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+from .. import probability
+from ..canonical import Answer, DecisionRequest, DecisionResult, Question, Usage
+from ..errors import invalid, refused
+from .model import LoadedModel
+from .prompt import (
+    PROMPT_FORMAT_VERSION,
+    ChatPrompter,
+    EncodedPrompt,
+    check_renderable,
+    labels_for,
+    render_input,
+    render_question,
+    text_only_check,
+)
+from .scorer import Scorer
+
+
+@dataclass
+class PreparedQuestion:
+    question: Question
+    labels: list[str]
+    prompt: EncodedPrompt
+
+
+class LocalEngine:
+    """Answers decisions from one loaded chat model. Thread-safe: forward passes are serialised."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.name = loaded.name
+        self.prompter = ChatPrompter(loaded.tokenizer, loaded.context_length)
+        self.scorer = Scorer(loaded.model)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ preparing
+
+    def check(self, request: DecisionRequest) -> None:
+        """Refusals that need no tokenizer work."""
+        if request.prompt_format_version is not None and request.prompt_format_version != PROMPT_FORMAT_VERSION:
+            raise refused(
+                f"prompt_format_version {request.prompt_format_version} is not served; this server uses "
+                f"version {PROMPT_FORMAT_VERSION}",
+                "prompt_format_version",
+            )
+        temperature = request.temperature
+        if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise invalid("temperature must be a finite number above 0", "temperature")
+        for name in request.extra:
+            raise invalid(f"Unknown parameter: '{name}'. The local engine does not read it.", name,
+                          code="unknown_parameter")
+        text_only_check(request.images(), self.name)
+        if not request.questions:
+            raise invalid("at least one question is required", "questions", code="empty_array")
+        for question in request.questions:
+            check_renderable(question)
+
+    def prepare(self, request: DecisionRequest) -> list[PreparedQuestion]:
+        self.check(request)
+        kwargs = self.prompter.template_kwargs(request.chat_template_kwargs)
+        text = render_input(request.input)
+        prepared = []
+        for question in request.questions:
+            labels = labels_for(question)
+            content = render_question(text, question, labels)
+            prompt = self.prompter.encode(content, labels, kwargs, question.source)
+            prepared.append(PreparedQuestion(question, labels, prompt))
+        return prepared
+
+    # -------------------------------------------------------------------------------------- scoring
+
+    def decide(self, request: DecisionRequest) -> DecisionResult:
+        prepared = self.prepare(request)
+        with self._lock:
+            logprobs = self.scorer.label_logprobs(
+                [p.prompt.ids for p in prepared], [p.prompt.label_ids for p in prepared]
+            )
+        temperature = request.temperature or 1.0
+        answers = [
+            build_answer(p, lps, temperature, request.return_prompt_token_ids) for p, lps in zip(prepared, logprobs)
+        ]
+        return DecisionResult(
+            model=self.name,
+            answers=answers,
+            usage=Usage(input_tokens=sum(a.prompt_tokens for a in answers)),
+            prompt_format_version=PROMPT_FORMAT_VERSION,
+            provider_format="local",
+        )
+
+
+def build_answer(prepared: PreparedQuestion, logprobs: list[float], temperature: float, with_ids: bool) -> Answer:
+    question = prepared.question
+    probabilities = probability.label_probabilities(logprobs, temperature)
+    confidence = None
+    if question.kind == "choice":
+        confidence = probability.choice_confidence(probabilities)
+    elif question.kind == "score":
+        confidence = probability.score_confidence(probabilities)
+    return Answer(
+        kind=question.kind,
+        name=question.name,
+        probabilities=probabilities,
+        label_logprobs=list(logprobs),
+        label_mass=probability.label_mass(logprobs),
+        confidence=confidence,
+        prompt_tokens=len(prepared.prompt.ids),
+        prompt_token_ids=list(prepared.prompt.ids) if with_ids else None,
+        label_token_ids=list(prepared.prompt.label_ids) if with_ids else None,
+    )

