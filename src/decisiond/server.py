@@ -14,9 +14,10 @@ from fastapi.responses import JSONResponse
 from . import __version__
 from .canonical import DecisionRequest, DecisionResult
 from .dialects import openai as openai_dialect
-from .dialects.common import parse_json
+from .dialects import systemone as systemone_dialect
 from .errors import DecisionError
 from .gateway.router import Router
+from .transport import read_payload
 
 log = logging.getLogger("decisiond.server")
 access = logging.getLogger("decisiond.access")
@@ -34,7 +35,7 @@ class Dialect:
     """How one wire format enters and leaves: pure functions from ``decisiond.dialects``."""
 
     name: str
-    parse: Callable[[Any], DecisionRequest]
+    parse: Callable[[Any, dict], DecisionRequest]
     render: Callable[[DecisionResult, DecisionRequest], dict]
     error: Callable[[DecisionError], tuple[int, dict]]
     # Whether an unknown model name is refused (OpenAI) or answered by the served model (System One, SGLang).
@@ -45,28 +46,14 @@ def _openai_error(error: DecisionError) -> tuple[int, dict]:
     return error.status, openai_dialect.error_body(error)
 
 
-OPENAI = Dialect("openai", openai_dialect.parse_request, openai_dialect.render_response, _openai_error)
+OPENAI = Dialect("openai", lambda body, files: openai_dialect.parse_request(body), openai_dialect.render_response,
+                 _openai_error)
+SYSTEM_ONE = Dialect("system_one", systemone_dialect.parse_request, systemone_dialect.render_response,
+                     systemone_dialect.error_response, strict_model=False)
 
 
 def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 once it passes ``limit`` bytes (checked while reading)."""
-    too_large = DecisionError(
-        f"The request body is larger than the {limit} byte limit.", code="request_too_large", status=413
-    )
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
@@ -89,6 +76,7 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
                 status_code=500,
             )
         response.headers["x-request-id"] = request.state.request_id
+        response.headers["x-typesafe-request-id"] = request.state.request_id
         access.info(
             "%s %s %d",
             request.method,
@@ -109,8 +97,10 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
         state = request.state.log
         state["dialect"] = dialect.name
         try:
-            raw = await read_body(request, settings.max_body_bytes)
-            decision = dialect.parse(parse_json(raw))
+            payload = await read_payload(request, settings.max_body_bytes)
+            if payload.content_encoding != "identity" or payload.multipart:
+                state.update(content_encoding=payload.content_encoding, multipart=payload.multipart)
+            decision = dialect.parse(payload.document, payload.files)
             state.update(model=decision.model, questions=len(decision.questions))
             result = await router.decide(decision, strict=dialect.strict_model)
             state.update(served_model=result.model, input_tokens=result.usage.input_tokens)
@@ -124,8 +114,15 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
     async def decisions(request: Request):
         return await serve_decision(request, OPENAI)
 
+    @app.post("/v1/systemone")
+    async def systemone(request: Request):
+        return await serve_decision(request, SYSTEM_ONE)
+
     @app.get("/v1/models")
     async def models(request: Request):
+        if request.headers.get("x-typesafe-sdk"):
+            # The TypeSafe SDK reads {"models": [{name, description, release_date}]}.
+            return systemone_dialect.models_body(router.models())
         return {
             "object": "list",
             "data": [

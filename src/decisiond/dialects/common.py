@@ -49,8 +49,27 @@ def json_path(loc: tuple, document: Any) -> Path:
     return tuple(path)
 
 
+_TYPE_LABELS = ("str", "bool", "int", "float", "dict", "list", "none")
+
+
 def _is_tag(part: str) -> bool:
-    return "[" in part or ":" in part or part in ("str", "bool", "int", "float", "dict", "list", "function-after")
+    return "[" in part or ":" in part or part in _TYPE_LABELS
+
+
+def fastapi_loc(loc: tuple, document: Any) -> list[str | int]:
+    """A pydantic ``loc`` as FastAPI reports it, minus the type labels of plain unions (``str``, ``list[any]``):
+    keys, indices and discriminator tags (``["questions", "q1", "score", "criteria"]``) stay."""
+    out: list[str | int] = []
+    node = document
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and ("[" in part or part in _TYPE_LABELS):
+            continue
+        out.append(part)
+    return out
 
 
 _CODES = {
@@ -90,10 +109,14 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
                                   if json_path(e["loc"], document) == json_path(best["loc"], document)))
         msg = ", or ".join([msgs[0], *(m[:1].lower() + m[1:] for m in msgs[1:])])
         message = f"Invalid value for '{shown}': {msg}." if shown else f"Invalid request: {msg}."
-    details = [
-        {"loc": list(e["loc"]), "msg": e["msg"].removeprefix("Value error, "), "type": e["type"]}
-        for e in errors
-    ]
+    details: list[dict] = []
+    for e in errors:
+        loc, msg = fastapi_loc(e["loc"], document), e["msg"].removeprefix("Value error, ")
+        same = next((d for d in details if d["loc"] == loc), None)
+        if same is None:
+            details.append({"loc": loc, "msg": msg, "type": e["type"]})
+        elif msg not in same["msg"]:  # the members of one union failing at one place
+            same["msg"] += ", or " + msg[:1].lower() + msg[1:]
     return DecisionError(message, path, code=code, validation=True, details=details)
 
 

@@ -31,7 +31,7 @@ from ..canonical import (
     ToolCall,
     ToolOutput,
 )
-from ..engine.prompt import render_text
+from ..text import render_text
 from ..errors import DecisionError, invalid, openai_param
 from .. import probability
 from .common import StrictModel, check_json_limits, from_validation

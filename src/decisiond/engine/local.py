@@ -11,6 +11,7 @@ from ..canonical import Answer, DecisionRequest, DecisionResult, Question, Usage
 from ..errors import invalid, refused
 from .model import LoadedModel
 from .prompt import (
+    MAX_SINGLE_LETTER,
     PROMPT_FORMAT_VERSION,
     ChatPrompter,
     EncodedPrompt,
@@ -70,6 +71,9 @@ class LocalEngine:
         for question in request.questions:
             labels = labels_for(question)
             content = render_question(text, question, labels)
+            if question.kind == "choice" and len(labels) > MAX_SINGLE_LETTER:
+                labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
+                content = render_question(text, question, labels)
             prompt = self.prompter.encode(content, labels, kwargs, question.source)
             prepared.append(PreparedQuestion(question, labels, prompt))
         return prepared

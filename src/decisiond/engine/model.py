@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ class LoadedModel:
     dtype: str
     device: str
     parameters: int
+    # The checkpoint's date (its config file's), as System One's model list reports a release date.
+    release_date: str = ""
 
 
 def cache_root() -> Path:
@@ -146,6 +149,8 @@ def load(spec: str | None = None, dtype: str = "float32", device: str | None = N
     if isinstance(tokenizer_limit, int) and tokenizer_limit < 10**9:
         context = min(context, tokenizer_limit)
     parameters = sum(p.numel() for p in model.parameters())
+    config_file = Path(source) / "config.json"
+    stamp = config_file.stat().st_mtime if config_file.is_file() else time.time()
     return LoadedModel(
         name=served_name or name,
         model=model,
@@ -155,4 +160,5 @@ def load(spec: str | None = None, dtype: str = "float32", device: str | None = N
         dtype=dtype,
         device=device,
         parameters=parameters,
+        release_date=time.strftime("%Y-%m-%d", time.gmtime(stamp)),
     )

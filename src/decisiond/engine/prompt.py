@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..canonical import Image, Item, Json, Message, Option, Part, Question, Text, TextValue, ToolCall, ToolOutput
+from ..canonical import Image, Item, Json, Message, Option, Part, Question, Text, ToolCall, ToolOutput
 from ..errors import DecisionError, invalid, refused
+from ..text import is_blank, render_text
 
 PROMPT_FORMAT_VERSION = 1
 
@@ -32,19 +33,6 @@ MAX_SCORE_LEVELS = len(string.digits)
 
 
 # ------------------------------------------------------------------------------------------ wording
-
-
-def render_text(value: TextValue | None) -> str:
-    """A string as is; an object or array as compact JSON."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def is_blank(value: Any) -> bool:
-    return not (value.strip() if isinstance(value, str) else value)
 
 
 def render_part(part: Part) -> str:
@@ -78,14 +66,20 @@ def question_text(question: Question) -> str:
     return "\n".join(render_part(p) for p in question.instructions if not is_blank(render_part(p)))
 
 
+TWO_LETTER_LABELS = [a + b for a in string.ascii_uppercase for b in string.ascii_uppercase]
+
+
 def labels_for(question: Question) -> list[str]:
-    """One label per candidate: ``A``–``Z`` (``AA``, ``AB``… above 26 options), ``0``–``9``, ``yes``/``no``."""
+    """One label per candidate: ``A``–``Z`` (``AA``, ``AB``… above 26 options), ``0``–``9``, ``yes``/``no``.
+
+    Above 26 options the engine keeps only the two-letter labels that are one token for the served tokenizer
+    (``ChatPrompter.one_token_labels``); this is the sequence it starts from.
+    """
     n = question.candidates
     if question.kind == "choice":
-        letters = string.ascii_uppercase
         if n <= MAX_SINGLE_LETTER:
-            return list(letters[:n])
-        return [a + b for a in letters for b in letters][:n]
+            return list(string.ascii_uppercase[:n])
+        return TWO_LETTER_LABELS[:n]
     if question.kind == "score":
         return list(string.digits[:n])
     return ["yes", "no"]
@@ -283,13 +277,42 @@ class ChatPrompter:
             break
         return prompt, ids
 
+    def _label_token(self, text: str, text_ids: list[int], label: str) -> int | None:
+        """The token ``label`` adds after ``text``, or None when it is not exactly one."""
+        extended = list(self.tokenizer.encode(text + label, add_special_tokens=False))
+        return extended[-1] if len(extended) == len(text_ids) + 1 and extended[:-1] == text_ids else None
+
+    def one_token_labels(self, content: str, n: int, kwargs: dict[str, Any], question: Question) -> list[str]:
+        """The first ``n`` two-letter labels (``AA``, ``AB``, …) that are one distinct token at the answer position.
+
+        Two-letter labels include word pieces that a tokenizer may split (SmolLM2 splits ``AJ``), so those are
+        skipped; a choice that needs more labels than the tokenizer offers is refused, naming the first option
+        left without one.
+        """
+        prompt = self.render(content, kwargs)
+        text, text_ids = self._label_context(prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)))
+        chosen: list[str] = []
+        tokens: set[int] = set()
+        for label in TWO_LETTER_LABELS:
+            token = self._label_token(text, text_ids, label)
+            if token is not None and token not in tokens:
+                chosen.append(label)
+                tokens.add(token)
+                if len(chosen) == n:
+                    return chosen
+        raise refused(
+            f"this model's tokenizer has {len(chosen)} two-letter labels that are one token at the answer position, "
+            f"so a choice here takes at most {max(len(chosen), MAX_SINGLE_LETTER)} options; this one has {n}",
+            *question.options[max(len(chosen), MAX_SINGLE_LETTER)].source,
+            code="limit_exceeded",
+        )
+
     def label_ids(self, prompt: str, ids: list[int], labels: Sequence[str], source: tuple = ()) -> list[int]:
         """Each label must add exactly one token, distinct from the others', right after the prompt."""
         text, text_ids = self._label_context(prompt, ids)
         found: list[int] = []
         for label in labels:
-            extended = list(self.tokenizer.encode(text + label, add_special_tokens=False))
-            token = extended[-1] if len(extended) == len(text_ids) + 1 and extended[:-1] == text_ids else None
+            token = self._label_token(text, text_ids, label)
             if token is None or token in found:
                 raise refused(
                     f"the answer label {label!r} is not one distinct token at the answer position for this "

@@ -19,6 +19,7 @@ class ModelInfo:
     owned_by: str = "decisiond"
     description: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    release_date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
     capabilities: tuple[str, ...] = ("decisions",)
 
 
@@ -51,5 +52,6 @@ class Router:
                 description=f"{loaded.name} ({loaded.parameters / 1e6:.0f}M parameters, {loaded.dtype}, "
                 f"{loaded.device}) answering decisions locally",
                 created=self.started,
+                release_date=loaded.release_date,
             )
         ]

@@ -1,0 +1,259 @@
+"""TypeSafe's System One wire format (``POST /v1/systemone``, typesafe-sdk 0.7.5 contract). Pure translation.
+
+Request → canonical: a ``state`` (string, object or array), a map of ``noul``/``choice``/``score`` questions keyed
+by the caller's ids, optional image ``assets`` (a multipart part or base64 data, substituted wherever their key
+appears inside a string of the state). Canonical → response: answers keyed by id, ``usage`` as integers.
+Errors: 422 with a FastAPI ``detail`` list whose ``loc`` names the field (the discriminator tag included, as in
+``["body", "questions", "q1", "score", "criteria"]``) for invalid requests; 400 ``{"error": …}`` for other refusals.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .. import probability
+from ..canonical import Answer, DecisionRequest, DecisionResult, Image, Json, Level, Message, Option, Part, Question, Text
+from ..text import is_blank, render_text
+from ..errors import DecisionError, invalid, refused
+from .common import StrictModel, from_validation
+
+MAX_CHOICES = 255
+MAX_LEVELS = 10
+
+Content = Union[str, dict[str, Any], list[Any]]
+
+
+class NoulCriteria(StrictModel):
+    true: Content | None = None
+    false: Content | None = None
+
+
+class NoulQuestion(StrictModel):
+    type: Literal["noul"]
+    instructions: Content | None = None
+    criteria: NoulCriteria | None = None
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> "NoulQuestion":
+        described = self.criteria is not None and (
+            not is_blank(self.criteria.true) or not is_blank(self.criteria.false))
+        if is_blank(self.instructions) and not described:
+            raise ValueError("a noul question needs instructions, or a non-empty criteria.true or criteria.false")
+        return self
+
+
+class ChoiceQuestion(StrictModel):
+    type: Literal["choice"]
+    instructions: Content | None = None
+    criteria: dict[str, Content | None] = Field(min_length=1, max_length=MAX_CHOICES)
+
+
+class ScoreQuestion(StrictModel):
+    type: Literal["score"]
+    instructions: Content | None = None
+    criteria: list[Content] = Field(min_length=1, max_length=MAX_LEVELS)
+
+
+class BoxQuestion(StrictModel):
+    type: Literal["box"]
+    instructions: Content | None = None
+
+
+QuestionModel = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion, BoxQuestion], Field(discriminator="type")]
+
+
+class AssetModel(StrictModel):
+    type: Literal["image"] | None = None
+    format: Literal["png", "jpg", "jpeg"] | None = None
+    data_base64: str | None = None
+    part: str | None = None
+
+
+_DECISIONS_ONLY = ("temperature", "prompt_format_version", "return_prompt_token_ids")
+
+
+class SystemOneBody(StrictModel):
+    # Unknown top-level fields are ignored, as the System One API does.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    state: Content
+    model: str
+    questions: dict[str, QuestionModel] = Field(min_length=1)
+    assets: dict[str, AssetModel] | None = Field(default=None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    temperature: Any = None
+    prompt_format_version: Any = None
+    return_prompt_token_ids: Any = None
+
+    @field_validator(*_DECISIONS_ONLY)
+    @classmethod
+    def _null_only(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is a /v1/decisions field; /v1/systemone accepts it only as null")
+        return value
+
+
+# ------------------------------------------------------------------------------------ parse request
+
+
+def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", code="model_attributes_type")
+    try:
+        parsed = SystemOneBody.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e, body) from None
+    if ":" in parsed.model:
+        raise refused(f"model {parsed.model!r} names a LoRA adapter after a colon, which is not supported", "model")
+    images = _assets(parsed.assets or {}, files or {})
+    questions = tuple(_question(qid, q) for qid, q in parsed.questions.items())
+    return DecisionRequest(
+        input=(_state(parsed.state, images),),
+        questions=questions,
+        model=parsed.model,
+        chat_template_kwargs=dict(parsed.chat_template_kwargs or {}),
+    )
+
+
+def _assets(assets: dict[str, AssetModel], files: dict) -> dict[str, Image]:
+    images = {}
+    for key, asset in assets.items():
+        path = ("assets", key)
+        if asset.part is not None:
+            upload = files.get(asset.part)
+            if upload is None:
+                raise invalid(f"no multipart part named {asset.part!r} was sent", *path, "part")
+            data, media_type = upload.data, upload.content_type
+        elif asset.data_base64 is not None:
+            if asset.format is None:
+                raise invalid("format is required with data_base64", *path, "format", code="missing")
+            try:
+                data = base64.b64decode(asset.data_base64, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise invalid(f"data_base64 is not valid base64: {e}", *path, "data_base64") from e
+            media_type = "image/png" if asset.format == "png" else "image/jpeg"
+        else:
+            raise invalid("an asset needs a multipart part or data_base64", *path, code="missing")
+        images[key] = Image(data=data, media_type=media_type, source=path)
+    return images
+
+
+def _state(state: Any, images: dict[str, Image]) -> Message:
+    """The state as one user message; asset keys inside a string state become image parts in place."""
+    source = ("state",)
+    if isinstance(state, str):
+        parts: list[Part] = [Text(state, source=source)]
+        for key, image in images.items():
+            split: list[Part] = []
+            for part in parts:
+                if isinstance(part, Text) and key in part.text:
+                    pieces = part.text.split(key)
+                    for i, piece in enumerate(pieces):
+                        if i:
+                            split.append(image)
+                        if piece:
+                            split.append(Text(piece, source=source))
+                else:
+                    split.append(part)
+            parts = split
+        placed = {id(p) for p in parts if isinstance(p, Image)}
+        parts += [img for img in images.values() if id(img) not in placed]
+        return Message("user", tuple(parts), plain=not images, source=source)
+    return Message("user", (Json(state, source=source), *images.values()), source=source)
+
+
+def _instructions(value: Any, path: tuple) -> tuple[Part, ...]:
+    if is_blank(value):
+        return ()
+    if isinstance(value, str):
+        return (Text(value, source=path),)
+    return (Json(value, source=path),)
+
+
+def _question(qid: str, q: Any) -> Question:
+    path = ("questions", qid, q.type)
+    instructions = _instructions(q.instructions, (*path, "instructions"))
+    if isinstance(q, NoulQuestion):
+        criteria = q.criteria or NoulCriteria()
+        return Question("yes_no", qid, instructions, yes=criteria.true, no=criteria.false, source=path)
+    if isinstance(q, ChoiceQuestion):
+        options = tuple(Option(name, desc, source=(*path, "criteria", name)) for name, desc in q.criteria.items())
+        return Question("choice", qid, instructions, options=options, source=path)
+    if isinstance(q, ScoreQuestion):
+        levels = tuple(Level(c, source=(*path, "criteria", i)) for i, c in enumerate(q.criteria))
+        return Question("score", qid, instructions, levels=levels, source=path)
+    raise refused("box questions locate things in an image; decisiond answers noul, choice and score questions",
+                  *path, code="unsupported_question")
+
+
+# ---------------------------------------------------------------------------------- render response
+
+
+def render_response(result: DecisionResult, request: DecisionRequest) -> dict[str, Any]:
+    answers = {}
+    for a, q in zip(result.answers, request.questions):
+        if not a.refusal:
+            answers[q.name or ""] = _render_answer(a, q)
+    return {
+        "model": result.model,
+        "answers": answers,
+        "usage": {"input_tokens": int(result.usage.input_tokens), "output_tokens": int(result.usage.output_tokens)},
+    }
+
+
+def _render_answer(a: Answer, q: Question) -> dict[str, Any]:
+    p = a.probabilities
+    if q.kind == "yes_no":
+        out: dict[str, Any] = {"type": "noul", "noul": p[0]}
+    elif q.kind == "choice":
+        out = {
+            "type": "choice",
+            "choice": q.options[probability.argmax(p)].name,
+            "confidence": a.confidence if a.confidence is not None else probability.choice_confidence(p),
+            "probabilities": {o.name: pi for o, pi in zip(q.options, p)},
+        }
+    else:
+        out = {
+            "type": "score",
+            "score": probability.expected_level(p),
+            "confidence": a.confidence if a.confidence is not None else probability.score_confidence(p),
+            "legend": {str(i): _legend(lv) for i, lv in enumerate(q.levels)},
+            "probabilities": {str(i): pi for i, pi in enumerate(p)},
+        }
+    if a.label_mass is not None:
+        out["x_label_mass"] = a.label_mass
+    out.update(a.extensions)
+    return out
+
+
+def _legend(level: Level) -> Any:
+    if level.description is None:
+        return level.label
+    return f"{render_text(level.label)} - {render_text(level.description)}"
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def error_response(error: DecisionError) -> tuple[int, dict[str, Any]]:
+    """422 FastAPI ``detail`` list for invalid requests; the error's own status and an error object otherwise."""
+    if error.validation and error.status == 400:
+        if error.details:
+            detail = [{**d, "loc": ["body", *d["loc"]]} for d in error.details]
+        else:
+            detail = [{"loc": ["body", *error.path], "msg": error.message, "type": error.code}]
+        return 422, {"detail": detail}
+    body = {"error": {"message": error.message, "type": error.type, "code": error.code}}
+    if error.path:
+        body["error"]["loc"] = ["body", *error.path]
+    return error.status, body
+
+
+def models_body(models: list) -> dict[str, Any]:
+    return {"models": [{"name": m.name, "description": m.description, "release_date": m.release_date}
+                       for m in models]}
+

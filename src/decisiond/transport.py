@@ -1,0 +1,117 @@
+"""Request bodies as clients send them: a size limit, ``Content-Encoding`` (zstd, gzip, deflate), and JSON or
+``multipart/form-data`` (a ``request`` JSON part plus file parts, as the TypeSafe SDK sends images)."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+
+from .dialects.common import parse_json
+from .errors import DecisionError
+
+MAX_PARTS = 1000
+
+
+@dataclass
+class UploadedFile:
+    data: bytes
+    content_type: str | None = None
+
+
+@dataclass
+class Payload:
+    document: Any
+    files: dict[str, UploadedFile] = field(default_factory=dict)
+    content_encoding: str = "identity"
+    multipart: bool = False
+
+
+def too_large(limit: int) -> DecisionError:
+    return DecisionError(f"The request body is larger than the {limit} byte limit.", code="request_too_large",
+                         status=413)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 once it passes ``limit`` bytes (checked while reading)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
+    """Undo ``Content-Encoding``; the decoded body is held to the same size limit (no decompression bombs)."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    try:
+        if encoding == "zstd":
+            reader = zstandard.ZstdDecompressor().stream_reader(raw)
+            out = reader.read(limit + 1)
+            while len(out) <= limit:
+                more = reader.read(limit + 1 - len(out))
+                if not more:
+                    break
+                out += more
+        elif encoding in ("gzip", "x-gzip", "deflate"):
+            wbits = 16 + zlib.MAX_WBITS if "gzip" in encoding else zlib.MAX_WBITS
+            out = zlib.decompressobj(wbits).decompress(raw, limit + 1)
+        else:
+            raise DecisionError(f"Content-Encoding {encoding!r} is not supported; send zstd, gzip, deflate or none.",
+                                code="unsupported_encoding", status=415)
+    except (zstandard.ZstdError, zlib.error) as e:
+        raise DecisionError(f"The request body is not valid {encoding} data: {e}", code="invalid_encoding",
+                            validation=True) from e
+    if len(out) > limit:
+        raise too_large(limit)
+    return out
+
+
+async def _multipart(data: bytes, content_type: str) -> tuple[Any, dict[str, UploadedFile]]:
+    async def stream():
+        yield data
+
+    try:
+        form = await MultiPartParser(Headers({"content-type": content_type}), stream(),
+                                     max_files=MAX_PARTS, max_fields=MAX_PARTS).parse()
+    except MultiPartException as e:
+        raise DecisionError(f"The multipart body could not be parsed: {e.message}", code="invalid_multipart",
+                            validation=True) from e
+    files: dict[str, UploadedFile] = {}
+    document: Any = None
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            content = await value.read()
+            if name == "request":
+                document = parse_json(content)
+            else:
+                files[name] = UploadedFile(content, value.content_type)
+        elif name == "request":
+            document = parse_json(value.encode())
+    if document is None:
+        raise DecisionError("The multipart body has no 'request' part holding the JSON request.",
+                            ("request",), code="missing_required_parameter", validation=True)
+    return document, files
+
+
+async def read_payload(request: Request, limit: int) -> Payload:
+    raw = await read_body(request, limit)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
+    data = decompress(raw, encoding, limit)
+    content_type = request.headers.get("content-type", "")
+    if content_type.lower().startswith("multipart/form-data"):
+        document, files = await _multipart(data, content_type)
+        return Payload(document, files, encoding, multipart=True)
+    return Payload(parse_json(data), {}, encoding)
