@@ -82,6 +82,42 @@ def server(smollm_dir):
     running.stop()
 
 
+# A chat template whose behaviour a request picks with chat_template_kwargs {"mode": …}, to reach every template
+# refusal on a real server: labels after a space, a reasoning block left open, a template that raises, one that
+# starts every answer with reasoning; with thinking off it closes an empty think block, as Qwen templates do
+# (then one newline: SmolLM2's tokenizer splits a final "\n\n" differently once a label follows).
+MODES_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and mode == 'hidden' %}<think>\nr\n</think>\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if mode == 'space' %}Answer: {% elif mode == 'open' %}<think>\n"
+    "{% elif mode == 'raise' %}{{ raise_exception('the template refuses') }}{% elif mode == 'hidden' %}"
+    "{% elif enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tokenizer, tmp_path_factory) -> str:
+    """The tiny random model saved as a Hugging Face folder with MODES_TEMPLATE, for a second real server."""
+    import copy
+
+    folder = tmp_path_factory.mktemp("tiny-modes")
+    loaded = tiny_loaded(tokenizer)
+    loaded.model.save_pretrained(folder)
+    clone = copy.deepcopy(tokenizer)
+    clone.chat_template = MODES_TEMPLATE
+    clone.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_dir):
+    running = start_decisiond("--model", tiny_dir, "--served-model-name", "tiny-modes")
+    yield running
+    running.stop()
+
+
 @pytest.fixture()
 def openai_client(server):
     from openai import OpenAI

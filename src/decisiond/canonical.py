@@ -220,3 +220,29 @@ class DecisionResult:
     prompt_format_version: int | None = None
     # Which wire format answered (openai | system_one | local), for the gateway's response header.
     provider_format: str = "local"
+
+
+# ---------------------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Next-token probabilities of given label tokens after given prompts (SGLang's ``/v1/score``)."""
+
+    # Each prompt is text (tokenized by the engine, special tokens added) or token ids, used as they are.
+    prompts: tuple[str | tuple[int, ...], ...]
+    label_token_ids: tuple[tuple[int, ...], ...]
+    apply_softmax: bool = False
+    temperature: float = 1.0
+    return_token_logprobs: bool = False
+    model: str | None = None
+
+
+@dataclass
+class ScoreResult:
+    # Per prompt, per label: softmax over the labels of log-prob / T, or the full-vocabulary probability.
+    scores: list[list[float]]
+    # Per prompt, per label: full-vocabulary log-probabilities.
+    token_logprobs: list[list[float]]
+    model: str
+    prompt_tokens: int

@@ -12,9 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from . import __version__
-from .canonical import DecisionRequest, DecisionResult
 from .dialects import openai as openai_dialect
+from .dialects import score as score_dialect
+from .dialects import sglang as sglang_dialect
 from .dialects import systemone as systemone_dialect
+from .dialects.detect import decisions_dialect, mixed_error_body
 from .errors import DecisionError
 from .gateway.router import Router
 from .transport import read_payload
@@ -35,21 +37,37 @@ class Dialect:
     """How one wire format enters and leaves: pure functions from ``decisiond.dialects``."""
 
     name: str
-    parse: Callable[[Any, dict], DecisionRequest]
-    render: Callable[[DecisionResult, DecisionRequest], dict]
-    error: Callable[[DecisionError], tuple[int, dict]]
+    # (JSON document, multipart files) → canonical request
+    parse: Callable[[Any, dict], Any]
+    # (canonical result, canonical request) → JSON body
+    render: Callable[[Any, Any], dict]
+    # (error, JSON document or None) → (status, JSON body)
+    error: Callable[[DecisionError, Any], tuple[int, dict]]
     # Whether an unknown model name is refused (OpenAI) or answered by the served model (System One, SGLang).
     strict_model: bool = True
+    # "decide" (a decision request) or "score" (SGLang's /v1/score)
+    operation: str = "decide"
 
 
-def _openai_error(error: DecisionError) -> tuple[int, dict]:
-    return error.status, openai_dialect.error_body(error)
+def _questions(document: Any) -> Any:
+    return document.get("questions") if isinstance(document, dict) else None
 
 
 OPENAI = Dialect("openai", lambda body, files: openai_dialect.parse_request(body), openai_dialect.render_response,
-                 _openai_error)
+                 lambda error, document: (error.status, openai_dialect.error_body(error)))
+SGLANG = Dialect("sglang", sglang_dialect.parse_request, sglang_dialect.render_response,
+                 lambda error, document: (error.status, sglang_dialect.error_body(error, _questions(document))),
+                 strict_model=False)
 SYSTEM_ONE = Dialect("system_one", systemone_dialect.parse_request, systemone_dialect.render_response,
                      systemone_dialect.error_response, strict_model=False)
+SCORE = Dialect("sglang_score", score_dialect.parse_request, score_dialect.render_response,
+                lambda error, document: (error.status, sglang_dialect.error_body(error)), strict_model=False,
+                operation="score")
+
+
+def choose_decisions_dialect(document: Any) -> Dialect:
+    """``POST /v1/decisions`` serves OpenAI's and SGLang's shapes; the body's own keys tell which (see detect)."""
+    return SGLANG if decisions_dialect(document) == "sglang" else OPENAI
 
 
 def new_request_id() -> str:
@@ -93,30 +111,48 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
         )
         return response
 
-    async def serve_decision(request: Request, dialect: Dialect) -> JSONResponse:
+    async def serve(request: Request, choose: Callable[[Any], Dialect], fallback: Dialect) -> JSONResponse:
+        """Read the body, pick the dialect, parse, ask the router, render — errors in the caller's dialect."""
         state = request.state.log
-        state["dialect"] = dialect.name
+        dialect, document = fallback, None
         try:
             payload = await read_payload(request, settings.max_body_bytes)
+            document = payload.document
             if payload.content_encoding != "identity" or payload.multipart:
                 state.update(content_encoding=payload.content_encoding, multipart=payload.multipart)
-            decision = dialect.parse(payload.document, payload.files)
-            state.update(model=decision.model, questions=len(decision.questions))
-            result = await router.decide(decision, strict=dialect.strict_model)
-            state.update(served_model=result.model, input_tokens=result.usage.input_tokens)
-            return JSONResponse(dialect.render(result, decision))
+            try:
+                dialect = choose(document)
+            except DecisionError as error:
+                state.update(error_code=error.code)
+                return JSONResponse(mixed_error_body(error), status_code=error.status)
+            state["dialect"] = dialect.name
+            parsed = dialect.parse(document, payload.files)
+            state["model"] = parsed.model
+            if dialect.operation == "score":
+                state["items"] = len(parsed.prompts)
+                result = await router.score(parsed)
+                state["input_tokens"] = result.prompt_tokens
+            else:
+                state["questions"] = len(parsed.questions)
+                result = await router.decide(parsed, strict=dialect.strict_model)
+                state.update(served_model=result.model, input_tokens=result.usage.input_tokens)
+            return JSONResponse(dialect.render(result, parsed))
         except DecisionError as error:
             state.update(error_code=error.code)
-            status, body = dialect.error(error)
+            status, body = dialect.error(error, document)
             return JSONResponse(body, status_code=status, headers=error.headers or None)
 
     @app.post("/v1/decisions")
     async def decisions(request: Request):
-        return await serve_decision(request, OPENAI)
+        return await serve(request, choose_decisions_dialect, OPENAI)
 
     @app.post("/v1/systemone")
     async def systemone(request: Request):
-        return await serve_decision(request, SYSTEM_ONE)
+        return await serve(request, lambda document: SYSTEM_ONE, SYSTEM_ONE)
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        return await serve(request, lambda document: SCORE, SCORE)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import DecisionError, Path, invalid, openai_param
+from ..errors import DecisionError, Path, invalid
 
 # OpenAI's documented limits on an input_json part.
 JSON_MAX_DEPTH = 32
@@ -98,17 +98,15 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
         if field.isidentifier():
             path = (*path, field)
     code = _CODES.get(best["type"], "invalid_type" if best["type"].endswith("_type") else "invalid_value")
-    shown = openai_param(path) or ""
     if best["type"] == "missing":
-        message = f"Missing required parameter: '{shown}'."
+        reason = "Field required"
     elif best["type"] == "extra_forbidden":
-        message = f"Unknown parameter: '{shown}'."
+        reason = "Unknown field"
     else:
         # Union members fail at the same place: say every way the value could have been right.
         msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
                                   if json_path(e["loc"], document) == json_path(best["loc"], document)))
-        msg = ", or ".join([msgs[0], *(m[:1].lower() + m[1:] for m in msgs[1:])])
-        message = f"Invalid value for '{shown}': {msg}." if shown else f"Invalid request: {msg}."
+        reason = ", or ".join([msgs[0], *(m[:1].lower() + m[1:] for m in msgs[1:])])
     details: list[dict] = []
     for e in errors:
         loc, msg = fastapi_loc(e["loc"], document), e["msg"].removeprefix("Value error, ")
@@ -117,7 +115,7 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
             details.append({"loc": loc, "msg": msg, "type": e["type"]})
         elif msg not in same["msg"]:  # the members of one union failing at one place
             same["msg"] += ", or " + msg[:1].lower() + msg[1:]
-    return DecisionError(message, path, code=code, validation=True, details=details)
+    return DecisionError(reason, path, code=code, validation=True, details=details)
 
 
 def check_json_limits(data: Any, path: Path) -> None:

@@ -589,10 +589,22 @@ def _render_answer(a: Answer, q: Question) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- errors
 
 
-def error_body(error: DecisionError) -> dict[str, Any]:
+def error_message(error: DecisionError) -> str:
+    """Schema errors read the OpenAI way (``Missing required parameter: 'x'.``); others as raised."""
+    if error.details is None:
+        return error.message
+    param = openai_param(error.path)
+    if error.code == "missing_required_parameter":
+        return f"Missing required parameter: '{param}'."
+    if error.code == "unknown_parameter":
+        return f"Unknown parameter: '{param}'."
+    return f"Invalid value for '{param}': {error.message}." if param else f"Invalid request: {error.message}."
+
+
+def error_body(error: DecisionError, document: Any = None) -> dict[str, Any]:
     return {
         "error": {
-            "message": error.message,
+            "message": error_message(error),
             "type": error.type,
             "param": openai_param(error.path),
             "code": error.code,

@@ -239,7 +239,7 @@ def _legend(level: Level) -> Any:
 # ------------------------------------------------------------------------------------------- errors
 
 
-def error_response(error: DecisionError) -> tuple[int, dict[str, Any]]:
+def error_response(error: DecisionError, document: Any = None) -> tuple[int, dict[str, Any]]:
     """422 FastAPI ``detail`` list for invalid requests; the error's own status and an error object otherwise."""
     if error.validation and error.status == 400:
         if error.details:

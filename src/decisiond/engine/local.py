@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass
 
 from .. import probability
-from ..canonical import Answer, DecisionRequest, DecisionResult, Question, Usage
+from ..canonical import Answer, DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
 from ..errors import invalid, refused
 from .model import LoadedModel
 from .prompt import (
@@ -97,6 +97,34 @@ class LocalEngine:
             prompt_format_version=PROMPT_FORMAT_VERSION,
             provider_format="local",
         )
+
+
+    # -------------------------------------------------------------------------------- raw scoring
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Label-token probabilities after given prompts (SGLang's /v1/score), on the same scoring path."""
+        vocab = int(self.loaded.model.config.vocab_size)
+        prompts: list[list[int]] = []
+        for i, prompt in enumerate(request.prompts):
+            ids = list(self.loaded.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", "items", i)
+            if len(ids) >= self.loaded.context_length:
+                raise refused(f"the prompt has {len(ids)} tokens, which does not fit the context length of "
+                              f"{self.loaded.context_length} tokens", "items", i, code="context_length_exceeded")
+            prompts.append(ids)
+        for i, labels in enumerate(request.label_token_ids):
+            bad = next((t for t in labels if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid(f"label token id {bad} is outside the vocabulary (0 to {vocab - 1})", "label_token_ids")
+        with self._lock:
+            logprobs = self.scorer.label_logprobs(prompts, [list(ids) for ids in request.label_token_ids])
+        if request.apply_softmax:
+            scores = [probability.label_probabilities(lps, request.temperature) for lps in logprobs]
+        else:
+            scores = [[math.exp(lp) for lp in lps] for lps in logprobs]
+        return ScoreResult(scores, logprobs, self.name, sum(len(p) for p in prompts))
 
 
 def build_answer(prepared: PreparedQuestion, logprobs: list[float], temperature: float, with_ids: bool) -> Answer:

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from ..canonical import DecisionRequest, DecisionResult
+from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..engine.local import LocalEngine
 from ..errors import DecisionError
 
@@ -43,6 +43,10 @@ class Router:
         engine = self.resolve(request.model, strict)
         # Tokenization and forward passes run off the event loop.
         return await asyncio.to_thread(engine.decide, request)
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        engine = self.resolve(request.model, strict=False)
+        return await asyncio.to_thread(engine.score, request)
 
     def models(self) -> list[ModelInfo]:
         loaded = self.local.loaded
