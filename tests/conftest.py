@@ -47,9 +47,10 @@ def tiny_loaded(tokenizer, context_length: int = 512, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
-    # Spread the logits so that label probabilities differ visibly from uniform.
+    # Spread the logits so that label probabilities differ visibly from uniform (the final norm only: the
+    # embeddings are tied to the head and stay small).
     with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
+        model.model.norm.weight.mul_(40.0)
     return LoadedModel(
         name="tiny-random",
         model=model,

@@ -136,7 +136,7 @@ def test_score_text_items_and_raw_probabilities(server):
     first = requests.post(f"{server.url}/v1/score", json={
         "query": " yes or no?", "items": "Is the sky blue? Answer:", "item_first": True,
         "label_token_ids": labels}, timeout=60).json()
-    assert first["scores"][0] == pytest.approx(r["scores"][0], rel=1e-9)
+    assert first["scores"][0] == pytest.approx(r["scores"][0], rel=1e-4)  # packed with another item before: fp32 rounding
 
 
 SCORE_ERRORS = [

@@ -106,7 +106,7 @@ def test_refusals_are_400_with_loc():
 def test_more_than_26_options_use_one_token_two_letter_labels(tiny_engine):
     r = parse(questions={"c": {"type": "choice", "instructions": "Pick",
                                "criteria": {f"option {i}": None for i in range(40)}}})
-    prepared = tiny_engine.prepare(r)[0]
+    prepared = tiny_engine.prepare(r).questions[0]
     # SmolLM2 splits "AJ" into two tokens, so it is skipped; every label is one distinct token.
     assert prepared.labels[:9] == ["AA", "AB", "AC", "AD", "AE", "AF", "AG", "AH", "AI"]
     assert prepared.labels[9] == "AK" and "AJ" not in prepared.labels and len(prepared.labels) == 40

@@ -22,6 +22,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    from .engine.scheduler import DEFAULT_MAX_BATCH_TOKENS
+
+    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                   help=f"padded tokens per batched forward pass across concurrent requests "
+                        f"(default {DEFAULT_MAX_BATCH_TOKENS})")
+    p.add_argument("--max-wait-ms", type=float, default=2.0,
+                   help="how long the scheduler waits for more requests to join a batch (default 2 ms)")
+
+
 def _engine(args: argparse.Namespace):
     from .engine import model as model_mod
     from .engine.local import LocalEngine
@@ -29,7 +39,10 @@ def _engine(args: argparse.Namespace):
     loaded = model_mod.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name)
     log.info("model loaded", extra={"model": loaded.name, "path": loaded.path, "dtype": loaded.dtype,
                                     "device": loaded.device, "context_length": loaded.context_length})
-    return LocalEngine(loaded)
+    scheduling = {}
+    if hasattr(args, "max_batch_tokens"):
+        scheduling = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000}
+    return LocalEngine(loaded, **scheduling)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -65,6 +78,25 @@ def cmd_decide(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The side-by-side benchmark; writes markdown (and JSON) reports."""
+    from .bench import runner
+
+    report = runner.run(model=args.model, tickets=args.tickets,
+                        question_sets=tuple(int(x) for x in args.questions.split(",")),
+                        clients=tuple(int(x) for x in args.clients.split(",")),
+                        naive_tickets=args.naive_tickets, dtype=args.dtype,
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench"
+    text = runner.markdown(report, args.command_line or command)
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text)
+    if args.json:
+        open(args.json, "w").write(runner.to_json(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decisiond", description="Decision models from any chat LLM.")
     parser.add_argument("--version", action="version", version=f"decisiond {__version__}")
@@ -75,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    _add_scheduling_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     decide = sub.add_parser("decide", help="answer one decision request (JSON file or stdin) and print the answer")
@@ -82,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("file", nargs="?", default="-", help="request JSON file, or - for stdin")
     decide.add_argument("--pretty", action="store_true", help="indent the JSON output")
     decide.set_defaults(func=cmd_decide)
+
+    bench = sub.add_parser("bench", help="measure the naive loop, decisiond in-process and over HTTP, side by side")
+    bench.add_argument("--model", default="default")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--tickets", type=int, default=200, help="support tickets per workload (default 200)")
+    bench.add_argument("--questions", default="3,10", help="question-set sizes to run (default 3,10)")
+    bench.add_argument("--clients", default="1,4,16", help="concurrent HTTP clients per phase (default 1,4,16)")
+    bench.add_argument("--naive-tickets", type=int, default=None, help="run the naive loop on the first N tickets only")
+    bench.add_argument("--out", default=None, help="write the markdown report here")
+    bench.add_argument("--json", default=None, help="write the raw numbers here")
+    bench.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    bench.add_argument("--log-level", default="warning")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

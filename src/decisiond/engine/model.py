@@ -127,6 +127,18 @@ def pick_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_cpu_dtype(dtype: str) -> None:
+    """bfloat16 on a CPU needs native bf16 support (AVX512-BF16 or AMX); float16 is for GPUs."""
+    import torch
+
+    if dtype == "float16":
+        raise ModelNotFound("--dtype float16 is for GPUs; on a CPU use float32 or bfloat16")
+    if dtype == "bfloat16":
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        if supported is not None and not supported():
+            raise ModelNotFound("this CPU has no native bfloat16 support; use --dtype float32")
+
+
 def load(spec: str | None = None, dtype: str = "float32", device: str | None = None,
          served_name: str | None = None) -> LoadedModel:
     import torch
@@ -139,7 +151,8 @@ def load(spec: str | None = None, dtype: str = "float32", device: str | None = N
     device = pick_device(device)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if device == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        check_cpu_dtype(dtype)
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     model.to(device).eval()

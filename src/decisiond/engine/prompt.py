@@ -8,6 +8,7 @@ one label only. A change of wording is a new ``PROMPT_FORMAT_VERSION``.
 from __future__ import annotations
 
 import json
+import os
 import string
 import unicodedata
 from collections.abc import Sequence
@@ -173,6 +174,7 @@ class ChatPrompter:
         source = (template or "") + " " + " ".join(vocab_added)
         self.markers = next(((a, b) for a, b in REASONING_MARKERS if a in source and b in source), None)
         self._reply_checked: dict[str, bool] = {}
+        self._headers: dict[str, tuple[int, ...]] = {}
 
     @staticmethod
     def _find_toggle(template: str | None) -> str | None:
@@ -201,6 +203,20 @@ class ChatPrompter:
             kwargs[self.toggle] = False
         kwargs.update(request_kwargs)
         return kwargs
+
+    def header_ids(self, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        """The tokens every rendered prompt starts with (system prompt, user turn opening) — what the scheduler
+        may serve from its prefix cache. The last token of the shared text is left out: it could merge with the
+        content that follows."""
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self._headers:
+            try:
+                a, b = (self._apply([{"role": "user", "content": c}], kwargs, True) for c in ("A", "B"))
+            except DecisionError:
+                a = b = ""
+            shared = os.path.commonprefix([a, b])
+            self._headers[key] = tuple(self.tokenizer.encode(shared, add_special_tokens=False)[:-1]) if shared else ()
+        return self._headers[key]
 
     def _apply(self, messages: list[dict[str, str]], kwargs: dict[str, Any], generation: bool) -> str:
         if self.template is None:

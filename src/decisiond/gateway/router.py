@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -42,11 +41,11 @@ class Router:
     async def decide(self, request: DecisionRequest, strict: bool = True) -> DecisionResult:
         engine = self.resolve(request.model, strict)
         # Tokenization and forward passes run off the event loop.
-        return await asyncio.to_thread(engine.decide, request)
+        return await engine.decide_async(request)
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         engine = self.resolve(request.model, strict=False)
-        return await asyncio.to_thread(engine.score, request)
+        return await engine.score_async(request)
 
     def models(self) -> list[ModelInfo]:
         loaded = self.local.loaded

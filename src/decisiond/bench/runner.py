@@ -1,0 +1,306 @@
+"""Measure, side by side in one run on one model: the naive loop (one full forward pass per question with
+transformers, as a client would write it), decisiond in-process, and decisiond over HTTP with several concurrent
+clients. Reports questions per second, request latency, peak RSS, and the time over a FLOP bound."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..canonical import DecisionRequest
+from ..engine.local import LocalEngine
+from ..engine.packing import pack
+from ..engine.prompt import labels_for, render_input, render_question
+from ..probability import label_probabilities
+from . import workload
+
+
+@dataclass
+class Row:
+    workload: str
+    mode: str
+    requests: int
+    questions: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def qps(self) -> float:
+        return self.questions / self.seconds
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(math.ceil(q * len(ordered))) - 1)] if ordered else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- naive
+
+
+def naive_decide(model, tokenizer, request: DecisionRequest) -> list[list[float]]:
+    """The plain client-side way: per question, render the chat prompt, check each label is one token, run one
+    full forward pass over the whole prompt, and softmax the labels' log-probs."""
+    text = render_input(request.input)
+    out = []
+    for question in request.questions:
+        labels = labels_for(question)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": render_question(text, question, labels)}],
+                                               add_generation_prompt=True, enable_thinking=False, tokenize=False)
+        input_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        label_ids = []
+        for label in labels:
+            ids = tokenizer.encode(prompt + label, add_special_tokens=False)
+            if ids[: len(input_ids)] != input_ids or len(ids) != len(input_ids) + 1:
+                raise ValueError(f"label {label} is not one token")
+            label_ids.append(ids[-1])
+        with torch.inference_mode():
+            logits = model(torch.tensor([input_ids])).logits[0, -1]
+        logprobs = torch.log_softmax(logits.double(), dim=-1)
+        out.append(label_probabilities([float(logprobs[i]) for i in label_ids]))
+    return out
+
+
+def timed(name: str, mode: str, requests: list[DecisionRequest], call) -> tuple[Row, list]:
+    answers, latencies = [], []
+    start = time.perf_counter()
+    for request in requests:
+        t = time.perf_counter()
+        answers.append(call(request))
+        latencies.append(time.perf_counter() - t)
+    seconds = time.perf_counter() - start
+    return Row(name, mode, len(requests), sum(len(r.questions) for r in requests), seconds, latencies), answers
+
+
+# ----------------------------------------------------------------------------------------------- http
+
+
+async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[float, list[float]]:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    latencies: list[float] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            body = queue.get_nowait()
+            t = time.perf_counter()
+            r = await client.post(url + "/v1/decisions", json=body)
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t)
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        return time.perf_counter() - start, latencies
+
+
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "decisiond.cli", "serve", "--model", model, "--port", str(port),
+                                "--log-level", "warning", *extra],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        if process.poll() is not None:
+            raise RuntimeError("decisiond serve exited during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError("decisiond serve did not start")
+
+
+def peak_rss_mb(pid: int | None = None) -> float:
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ------------------------------------------------------------------------------------------ FLOP bound
+
+
+def matmul_flops(hidden: int, intermediate: int, dtype: torch.dtype, tokens: int = 512) -> float:
+    """Measured FLOP/s of a model-shaped matmul on this machine (the median of 20 runs)."""
+    a = torch.randn(tokens, hidden, dtype=dtype)
+    b = torch.randn(hidden, intermediate, dtype=dtype)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * tokens * hidden * intermediate / statistics.median(times)
+
+
+def flop_bound(engine: LocalEngine, requests: list[DecisionRequest], flops: float) -> dict:
+    """Seconds the workload needs at the measured matmul rate, computing each distinct token once: per request,
+    the radix tree of its prompts without the template header; the header once; logits at each answer."""
+    model = engine.loaded.model
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    body = total - embed.numel() - (0 if head is embed else head.numel())
+    unique, header, targets = 0, 0, 0
+    for request in requests:
+        prepared = engine.prepare(request)
+        header = max(header, len(prepared.header))
+        unique += len(pack([p.prompt.ids for p in prepared.questions], len(prepared.header)))
+        targets += len(prepared.questions)
+    unique += header
+    work = 2 * body * unique + 2 * head.numel() * targets
+    return {"body_params": body, "head_params": head.numel(), "unique_tokens": unique, "targets": targets,
+            "flops": work, "matmul_flops_per_s": flops, "seconds": work / flops}
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ...] = (3, 10),
+        clients: tuple[int, ...] = (1, 4, 16), naive_tickets: int | None = None, dtype: str = "float32",
+        log=print) -> dict:
+    from ..engine.model import load
+
+    loaded = load(model, dtype=dtype)
+    engine = LocalEngine(loaded)
+    # All model math runs on the engine's worker thread, the naive loop's too: the same thread pool for both.
+    on_worker = engine.scheduler.call
+    config = loaded.model.config
+    flops = on_worker(lambda: matmul_flops(config.hidden_size, getattr(config, "intermediate_size",
+                                                                       4 * config.hidden_size), loaded.model.dtype))
+    rows: list[Row] = []
+    bounds: dict[str, dict] = {}
+    agreement: dict[str, float] = {}
+    server_rss: float | None = None
+    for count in question_sets:
+        name = f"{count}q"
+        requests = workload.requests(tickets, count)
+        warm = workload.requests(2, count, seed=99)
+        bounds[name] = flop_bound(engine, requests, flops)
+        naive_set = requests[: naive_tickets or tickets]
+        for r in warm:
+            on_worker(lambda: naive_decide(loaded.model, loaded.tokenizer, r))
+            engine.decide(r)
+        log(f"[{name}] naive loop over {len(naive_set)} tickets …")
+        naive_row, naive_answers = timed(name, "naive loop (transformers, 1 forward/question)", naive_set,
+                                         lambda r: on_worker(lambda: naive_decide(loaded.model, loaded.tokenizer, r)))
+        rows.append(naive_row)
+        log(f"[{name}] decisiond in-process over {len(requests)} tickets …")
+        inproc_row, results = timed(name, "decisiond in-process", requests, engine.decide)
+        rows.append(inproc_row)
+        agreement[name] = max(abs(a - b) for res, ref in zip(results, naive_answers)
+                              for ans, probs in zip(res.answers, ref) for a, b in zip(ans.probabilities, probs))
+        process, url = start_server(model, ["--dtype", dtype])
+        try:
+            bodies = [workload.openai_body(r, "default") for r in requests]
+            asyncio.run(_clients(url, [workload.openai_body(r, "default") for r in warm], 1))
+            for n in clients:
+                log(f"[{name}] decisiond over HTTP, {n} concurrent clients …")
+                seconds, latencies = asyncio.run(_clients(url, bodies, n))
+                rows.append(Row(name, f"decisiond HTTP, {n} client{'s' if n > 1 else ''}", len(bodies),
+                                sum(len(r.questions) for r in requests), seconds, latencies))
+            server_rss = max(server_rss or 0.0, peak_rss_mb(process.pid))
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    return {
+        "rows": rows,
+        "bounds": bounds,
+        "agreement": agreement,
+        "server_peak_rss_mb": server_rss,
+        "bench_peak_rss_mb": peak_rss_mb(),
+        "model": loaded.name,
+        "dtype": dtype,
+        "tickets": tickets,
+        "naive_tickets": naive_tickets or tickets,
+        "clients": list(clients),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} threads",
+    }
+
+
+def speedups(report: dict) -> dict[str, float]:
+    """The issue's target ratios, computed from the rows of one run."""
+    by = {(r.workload, r.mode): r for r in report["rows"]}
+    out = {}
+    for name in report["bounds"]:
+        naive = by[(name, "naive loop (transformers, 1 forward/question)")].qps
+        out[f"{name}: in-process / naive"] = by[(name, "decisiond in-process")].qps / naive
+        http = [r for r in report["rows"] if r.workload == name and r.mode.startswith("decisiond HTTP")]
+        if len(http) >= 2:
+            out[f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"] = http[-1].qps / http[0].qps
+    return out
+
+
+def markdown(report: dict, command: str) -> str:
+    lines = [
+        "# decisiond benchmark",
+        "",
+        f"Reproduce: `{command}`",
+        "",
+        f"Model {report['model']} ({report['dtype']}), {report['tickets']} support tickets of about 150 tokens "
+        f"(naive loop: first {report['naive_tickets']}), on {report['machine']}. All rows come from the same run; "
+        "only ratios are meant to carry over to other machines.",
+        "",
+        "| workload | mode | questions/s | p50 request (s) | p95 request (s) | × naive | time / FLOP bound |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        naive = next(x for x in report["rows"] if x.workload == r.workload and x.mode.startswith("naive"))
+        bound = report["bounds"][r.workload]
+        per_question_bound = bound["seconds"] / bound["targets"]
+        lines.append(f"| {r.workload} | {r.mode} | {r.qps:.2f} | {r.percentile(0.5):.3f} | {r.percentile(0.95):.3f} "
+                     f"| {r.qps / naive.qps:.2f} | {(1 / r.qps) / per_question_bound:.2f} |")
+    lines += ["", "Target ratios (same run):", ""]
+    lines += [f"- {k}: **{v:.2f}×**" for k, v in speedups(report).items()]
+    lines += [
+        f"- server peak RSS (VmHWM): **{report['server_peak_rss_mb']:.0f} MB**; benchmark process (naive loop and "
+        f"in-process engine, one shared model): {report['bench_peak_rss_mb']:.0f} MB",
+        "",
+        "FLOP bound: 2 × non-embedding parameters × tokens that must be computed (each request's prompts as a radix "
+        "tree, without the chat template's header, which is computed once for the run) + 2 × head parameters × "
+        "answers, at the matmul rate measured on this machine; attention and element-wise work are left out, so the "
+        "bound is below what any implementation can reach.",
+        "",
+        "| workload | tokens that must be computed | answers | FLOPs | measured matmul GFLOP/s | bound (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, b in report["bounds"].items():
+        lines.append(f"| {name} | {b['unique_tokens']} | {b['targets']} | {b['flops']:.3g} | "
+                     f"{b['matmul_flops_per_s'] / 1e9:.0f} | {b['seconds']:.1f} |")
+    lines += ["", "Largest difference between the naive loop's and decisiond's probabilities (same tickets): " +
+              ", ".join(f"{k} {v:.1e}" for k, v in report["agreement"].items()), ""]
+    return "\n".join(lines)
+
+
+def to_json(report: dict) -> str:
+    data = {k: v for k, v in report.items() if k != "rows"}
+    data["rows"] = [{**asdict(r), "qps": r.qps, "p50": r.percentile(0.5), "p95": r.percentile(0.95)}
+                    for r in report["rows"]]
+    data["speedups"] = speedups(report)
+    return json.dumps(data, indent=2, default=str)

@@ -1,0 +1,51 @@
+"""``decisiond bench`` end to end on the tiny model: every mode runs, the naive loop and decisiond agree, and the
+report holds the ratios. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from decisiond.bench import runner, workload
+
+
+def test_workload_is_reproducible_and_sized():
+    a, b = workload.requests(5, 10), workload.requests(5, 10)
+    assert [r.input[0].parts[0].text for r in a] == [r.input[0].parts[0].text for r in b]
+    assert len(a[0].questions) == 10 and len(workload.requests(1, 3)[0].questions) == 3
+    kinds = [q.kind for q in a[0].questions[:3]]
+    assert kinds == ["choice", "score", "yes_no"] and len(a[0].questions[0].options) == 4
+    assert len(a[0].questions[1].levels) == 3
+
+
+def test_bench_command_end_to_end(tiny_dir, tmp_path):
+    out, raw = tmp_path / "RESULTS.md", tmp_path / "RESULTS.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "decisiond.cli", "bench", "--model", tiny_dir, "--tickets", "3", "--questions", "3,10",
+         "--clients", "1,2", "--out", str(out), "--json", str(raw)],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(raw.read_text())
+    modes = [(r["workload"], r["mode"]) for r in report["rows"]]
+    assert len(modes) == 8 and ("10q", "decisiond HTTP, 2 clients") in modes
+    assert all(r["questions"] == r["requests"] * int(r["workload"][:-1]) for r in report["rows"])
+    # The naive loop and decisiond computed the same probabilities.
+    assert max(report["agreement"].values()) < 1e-4
+    assert set(report["speedups"]) == {"3q: in-process / naive", "3q: HTTP 2 clients / HTTP 1 client",
+                                       "10q: in-process / naive", "10q: HTTP 2 clients / HTTP 1 client"}
+    assert report["server_peak_rss_mb"] > 0 and report["bounds"]["3q"]["unique_tokens"] > 0
+    text = out.read_text()
+    assert "| 10q | decisiond in-process |" in text and "time / FLOP bound" in text
+    command = text.split("Reproduce: `")[1].split("`")[0]
+    assert command.startswith("decisiond bench --model ")
+    # The markdown report is a rendering of the JSON numbers, nothing else.
+    assert text == runner.markdown(runner_report(report), command)
+
+
+def runner_report(data: dict) -> dict:
+    rows = [runner.Row(r["workload"], r["mode"], r["requests"], r["questions"], r["seconds"], r["latencies"])
+            for r in data["rows"]]
+    return {**data, "rows": rows}
