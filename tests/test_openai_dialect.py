@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decisiond.canonical import Answer, DecisionResult, Image, Json, Message, Text, ToolCall, ToolOutput, Usage
+from decisiond.canonical import Answer, DecisionResult, Image, Json, Message, ToolCall, ToolOutput, Usage
 from decisiond.dialects import openai as d
 from decisiond.errors import DecisionError
 

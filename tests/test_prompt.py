@@ -7,14 +7,9 @@ import copy
 import pytest
 
 from decisiond.canonical import Json, Level, Message, Option, Question, Text, ToolCall, ToolOutput
-from decisiond.engine.prompt import (
-    ChatPrompter,
-    check_renderable,
-    labels_for,
-    render_input,
-    render_question,
-)
+from decisiond.engine.prompt import ChatPrompter, check_renderable, labels_for, render_question
 from decisiond.errors import DecisionError
+from decisiond.text import render_input
 
 TICKET = "I've been trying to connect my Stripe account for 3 days and the integration keeps failing."
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

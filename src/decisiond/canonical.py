@@ -66,6 +66,8 @@ class Message:
     # Assistant parts that were refusals (indices into parts), so the wire shape round-trips.
     refusal_parts: tuple[int, ...] = ()
     typed: bool = False  # "type": "message" was present
+    # The whole input was a bare string (OpenAI's string input, System One's string state), not a message.
+    bare: bool = False
     source: Path = _source()
 
 

@@ -45,13 +45,46 @@ def _engine(args: argparse.Namespace):
     return LocalEngine(loaded, **scheduling)
 
 
+def _router(args: argparse.Namespace):
+    """With ``--config``: the gateway it describes (local providers load their models); without: the local
+    engine alone."""
+    from .gateway.router import Router
+
+    if not getattr(args, "config", None):
+        return Router.local_only(_engine(args))
+    from .engine import model as model_mod
+    from .engine.local import LocalEngine
+    from .gateway import config as gateway_config
+
+    config = gateway_config.load(args.config)
+    engines = {}
+    for provider in config.providers:
+        if provider.type == "local":
+            loaded = model_mod.load(provider.model or "default", dtype=provider.dtype, device=args.device,
+                                    served_name=provider.served_model_name)
+            engines[provider.name] = LocalEngine(loaded, max_batch_tokens=args.max_batch_tokens,
+                                                 max_wait_s=args.max_wait_ms / 1000)
+    log.info("gateway configured", extra={"providers": [p.name for p in config.providers],
+                                          "models": [m.name for m in config.models],
+                                          "virtual_models": [v.name for v in config.virtual_models]})
+    return Router.from_config(config, engines)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .gateway.router import Router
     from .server import Settings, create_app
 
-    app = create_app(Router(_engine(args)), Settings(max_body_bytes=args.max_body_bytes))
+    from .engine.model import ModelNotFound
+    from .gateway.config import ConfigError
+
+    try:
+        router = _router(args)
+    except (ConfigError, ModelNotFound) as error:
+        log.error(str(error))
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    app = create_app(router, Settings(max_body_bytes=args.max_body_bytes))
     log.info("serving", extra={"host": args.host, "port": args.port})
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
                 timeout_keep_alive=60)
@@ -68,7 +101,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     raw = sys.stdin.buffer.read() if args.file in (None, "-") else open(args.file, "rb").read()
     try:
         request = dialect.parse_request(parse_json(raw))
-        router = Router(_engine(args))
+        router = Router.local_only(_engine(args))
         result = asyncio.run(router.decide(request, strict=False))
         out, code = dialect.render_response(result, request), 0
     except DecisionError as error:
@@ -107,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    serve.add_argument("--config", default=None,
+                       help="gateway YAML (providers, models, virtual models); without it, the local model alone")
     _add_scheduling_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -52,3 +52,28 @@ def invalid(message: str, *path: str | int, code: str = "invalid_value") -> Deci
 
 def refused(message: str, *path: str | int, code: str = "unsupported_value") -> DecisionError:
     return DecisionError(message, tuple(path), code=code)
+
+
+UPSTREAM_MESSAGE_LIMIT = 512
+FAILOVER_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
+
+
+@dataclass
+class UpstreamError(DecisionError):
+    """An upstream provider's error, kept with its status and message (cut to 512 characters).
+
+    ``failover``: the provider was unavailable (429, 5xx, 529, a timeout or a broken connection), so the next
+    target of a failover chain may answer; validation errors (other 4xx) end the chain.
+    """
+
+    failover: bool = False
+    provider: str = ""
+
+
+def upstream_error(provider: str, status: int, message: str, headers: dict[str, str] | None = None,
+                   code: str | None = None) -> UpstreamError:
+    message = message if len(message) <= UPSTREAM_MESSAGE_LIMIT else message[: UPSTREAM_MESSAGE_LIMIT - 1] + "…"
+    failover = status in FAILOVER_STATUSES or status >= 500
+    kind = "rate_limit_error" if status == 429 else "api_error" if status >= 500 else "invalid_request_error"
+    return UpstreamError(message, (), code=code or f"upstream_{status}", status=status, type=kind,
+                         headers=headers or {}, failover=failover, provider=provider)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -76,7 +77,13 @@ def new_request_id() -> str:
 
 def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    app = FastAPI(title="decisiond", version=__version__)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await router.aclose()  # upstream connection pools
+
+    app = FastAPI(title="decisiond", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.state.settings = settings
 
@@ -135,7 +142,10 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
             else:
                 state["questions"] = len(parsed.questions)
                 result = await router.decide(parsed, strict=dialect.strict_model)
-                state.update(served_model=result.model, input_tokens=result.usage.input_tokens)
+                state.update(served_model=result.model, input_tokens=result.usage.input_tokens,
+                             provider_format=result.provider_format)
+                return JSONResponse(dialect.render(result, parsed),
+                                    headers={"x-decisiond-provider-format": result.provider_format})
             return JSONResponse(dialect.render(result, parsed))
         except DecisionError as error:
             state.update(error_code=error.code)
@@ -155,21 +165,22 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
         return await serve(request, lambda document: SCORE, SCORE)
 
     @app.get("/v1/models")
-    async def models(request: Request):
+    async def models(request: Request, capability: str | None = None):
+        listed = router.model_list(capability)
         if request.headers.get("x-typesafe-sdk"):
-            # The TypeSafe SDK reads {"models": [{name, description, release_date}]}.
-            return systemone_dialect.models_body(router.models())
+            # The TypeSafe SDK reads {"models": [{name, description, release_date}]}: decision models only.
+            return systemone_dialect.models_body([m for m in listed if "decisions" in m.capabilities])
         return {
             "object": "list",
             "data": [
                 {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by,
                  "capabilities": list(m.capabilities)}
-                for m in router.models()
+                for m in listed
             ],
         }
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "models": [m.name for m in router.models()], "version": __version__}
+        return {"status": "ok", "models": [m.name for m in router.model_list()], "version": __version__}
 
     return app

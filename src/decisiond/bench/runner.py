@@ -22,7 +22,8 @@ import torch
 from ..canonical import DecisionRequest
 from ..engine.local import LocalEngine
 from ..engine.packing import pack
-from ..engine.prompt import labels_for, render_input, render_question
+from ..engine.prompt import labels_for, render_question
+from ..text import render_input
 from ..probability import label_probabilities
 from . import workload
 

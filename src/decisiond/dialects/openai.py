@@ -305,7 +305,7 @@ def _input(value: Any) -> tuple[Item, ...]:
     if isinstance(value, str):
         if not value.strip():
             raise invalid("input must not be blank", "input", code="empty_string")
-        return (Message("user", (Text(value, source=("input",)),), plain=True, source=("input",)),)
+        return (Message("user", (Text(value, source=("input",)),), plain=True, bare=True, source=("input",)),)
     if not value:
         raise invalid("input must hold at least one item", "input", code="empty_array")
     items: list[Item] = []
@@ -432,8 +432,7 @@ def _render_content(parts: tuple[Part, ...], plain: bool, context: str, refusals
 
 
 def _render_input(items: tuple[Item, ...]) -> Any:
-    if len(items) == 1 and isinstance(items[0], Message) and items[0].role == "user" and items[0].plain \
-            and not items[0].typed and items[0].source == ("input",):
+    if len(items) == 1 and isinstance(items[0], Message) and items[0].bare:
         return items[0].parts[0].text
     out = []
     for item in items:

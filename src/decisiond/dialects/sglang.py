@@ -71,7 +71,7 @@ QuestionModel = Annotated[Union[ChoiceQuestion, ScoreQuestion, YesNoQuestion], F
 class SGLangBody(StrictModel):
     input: RequiredText
     questions: list[QuestionModel] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    temperature: float = 1.0
+    temperature: float | None = None  # 1 when unset
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     prompt_format_version: int | None = None
     return_prompt_token_ids: bool = False
@@ -79,8 +79,8 @@ class SGLangBody(StrictModel):
 
     @field_validator("temperature")
     @classmethod
-    def _above_zero(cls, value: float) -> float:
-        if not (math.isfinite(value) and value > 0):
+    def _above_zero(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError("temperature must be a finite number above 0")
         return value
 
@@ -122,7 +122,8 @@ def _text_part(value: Any, path: tuple) -> Part:
 
 
 def _input(value: Any) -> Message:
-    return Message("user", (_text_part(value, ("input",)),), plain=isinstance(value, str), source=("input",))
+    plain = isinstance(value, str)
+    return Message("user", (_text_part(value, ("input",)),), plain=plain, bare=plain, source=("input",))
 
 
 def _question(q: Any, i: int) -> Question:

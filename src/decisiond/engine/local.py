@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .. import probability
 from ..canonical import Answer, DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
 from ..errors import invalid, refused
+from ..text import render_input
 from .model import LoadedModel
 from .prompt import (
     MAX_SINGLE_LETTER,
@@ -17,7 +18,6 @@ from .prompt import (
     EncodedPrompt,
     check_renderable,
     labels_for,
-    render_input,
     render_question,
     text_only_check,
 )

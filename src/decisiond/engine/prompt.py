@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..canonical import Image, Item, Json, Message, Option, Part, Question, Text, ToolCall, ToolOutput
+from ..canonical import Image, Option, Question
 from ..errors import DecisionError, invalid, refused
-from ..text import is_blank, render_text
+from ..text import is_blank, question_text, render_text
 
 PROMPT_FORMAT_VERSION = 1
 
@@ -34,37 +34,6 @@ MAX_SCORE_LEVELS = len(string.digits)
 
 
 # ------------------------------------------------------------------------------------------ wording
-
-
-def render_part(part: Part) -> str:
-    if isinstance(part, Text):
-        return part.text
-    if isinstance(part, Json):
-        return render_text(part.data)
-    raise refused("images cannot be rendered as text", *part.source, code="unsupported_input")
-
-
-def render_input(items: Sequence[Item]) -> str:
-    """The input text: user message parts joined by a blank line; anything else as a transcript.
-
-    A conversation (several roles, tool calls and results) becomes one block per item — ``user: …``,
-    ``assistant: …``, ``tool_call name: arguments``, ``tool_result: output`` — joined by blank lines.
-    """
-    if all(isinstance(item, Message) and item.role == "user" for item in items):
-        return "\n\n".join(render_part(p) for item in items for p in item.parts)
-    blocks = []
-    for item in items:
-        if isinstance(item, Message):
-            blocks.append(f"{item.role}: " + "\n\n".join(render_part(p) for p in item.parts))
-        elif isinstance(item, ToolCall):
-            blocks.append(f"tool_call {item.name}: {item.arguments}")
-        elif isinstance(item, ToolOutput):
-            blocks.append("tool_result: " + "\n\n".join(render_part(p) for p in item.parts))
-    return "\n\n".join(blocks)
-
-
-def question_text(question: Question) -> str:
-    return "\n".join(render_part(p) for p in question.instructions if not is_blank(render_part(p)))
 
 
 TWO_LETTER_LABELS = [a + b for a in string.ascii_uppercase for b in string.ascii_uppercase]

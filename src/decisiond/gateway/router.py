@@ -1,13 +1,33 @@
-"""Which model answers a request. Today: the local engine, under its served name or ``default``."""
+"""Which model answers a request: names, virtual models, limits, skip rules and failover.
+
+A request names a model: a configured model, ``provider/upstream`` (any model of a configured provider), a
+virtual model (an alias, or a failover chain of targets, possibly other virtual models), or — with no config —
+the local engine under its served name or ``default``. The router expands the name into its chain of targets and
+tries them in order:
+
+- every request is checked against OpenAI's limits first, whatever answers it;
+- a target that cannot serve the request — no Decisions API, images to a text-only provider, over the
+  provider's own limits — is skipped without spending an attempt;
+- a target that is unavailable (429, 5xx, 529, a timeout or a dropped connection) hands over to the next one;
+- any other upstream error (a validation 4xx) ends the chain with the provider's status and message.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..engine.local import LocalEngine
-from ..errors import DecisionError
+from ..errors import DecisionError, UpstreamError
+from . import limits
+from .config import GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from .providers import build
+from .providers.base import Provider
+from .providers.local import LocalProvider
+
+log = logging.getLogger("decisiond.gateway")
 
 DEFAULT_ALIAS = "default"
 
@@ -22,39 +42,190 @@ class ModelInfo:
     capabilities: tuple[str, ...] = ("decisions",)
 
 
+@dataclass
+class Target:
+    """One model a provider serves, under the name clients use."""
+
+    name: str
+    provider: Provider
+    upstream: str
+    capabilities: tuple[str, ...] = ("decisions",)
+    images: bool | None = None
+    description: str = ""
+
+    def unsupported(self, request: DecisionRequest) -> DecisionError | None:
+        if "decisions" not in self.capabilities:
+            return DecisionError(f"model {self.name!r} has no Decisions API; only decision models can answer "
+                                 "decision requests", ("model",), code="model_not_supported")
+        if self.images is False and request.images():
+            return DecisionError(f"model {self.name!r} reads text only, so the request's images cannot be sent to it",
+                                 request.images()[0].source, code="unsupported_input")
+        if self.provider.format != "local":
+            extension = next((name for name, value in (
+                ("temperature", request.temperature), ("prompt_format_version", request.prompt_format_version),
+                ("return_prompt_token_ids", request.return_prompt_token_ids or None),
+                ("chat_template_kwargs", request.chat_template_kwargs or None)) if value is not None), None)
+            if extension is not None:
+                return DecisionError(f"{extension} is applied by decisiond's local engine; model {self.name!r} "
+                                     f"({self.provider.name}) cannot honour it", (extension,),
+                                     code="unsupported_parameter")
+        if self.images is None:
+            reason = self.provider.unsupported(request)
+            if reason is not None:
+                return reason
+        try:
+            limits.check_provider(request, self.provider.limits, f"{self.name!r} ({self.provider.name})")
+        except DecisionError as error:
+            return error
+        return None
+
+
 class Router:
-    def __init__(self, local: LocalEngine):
-        self.local = local
+    def __init__(self, providers: dict[str, Provider], models: dict[str, Target],
+                 virtual: dict[str, VirtualModelConfig] | None = None, default_model: str | None = None):
+        self.providers = providers
+        self.models = models
+        self.virtual = virtual or {}
+        self.default_model = default_model
         self.started = int(time.time())
 
-    def resolve(self, name: str | None, strict: bool = True) -> LocalEngine:
-        """The provider for ``name``. Lenient routes (System One, SGLang) accept any name for the local model."""
-        if not strict or name in (None, DEFAULT_ALIAS, self.local.name):
-            return self.local
-        raise DecisionError(
-            f"The model {name!r} does not exist or is not served here; served models: "
-            f"{', '.join(repr(m.name) for m in self.models())} (or {DEFAULT_ALIAS!r}).",
-            ("model",),
-            code="model_not_found",
-        )
+    # --------------------------------------------------------------------------------- building
+
+    @classmethod
+    def local_only(cls, engine: LocalEngine) -> "Router":
+        """No config: the local engine alone, under its served name and ``default``."""
+        provider = LocalProvider(ProviderConfig(name="local", type="local"), engine)
+        target = Target(engine.name, provider, engine.name, description=_describe(engine))
+        return cls({"local": provider}, {engine.name: target}, default_model=engine.name)
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, engines: dict[str, LocalEngine]) -> "Router":
+        providers = {p.name: build(p, engines) for p in config.providers}
+        models: dict[str, Target] = {}
+        for p in config.providers:
+            if p.type == "local":
+                engine = engines[p.name]
+                target = Target(f"{p.name}/{engine.name}", providers[p.name], engine.name,
+                                description=_describe(engine))
+                models[target.name] = target
+                models.setdefault(engine.name, Target(engine.name, providers[p.name], engine.name,
+                                                      description=target.description))
+        for m in config.models:
+            models[m.name] = _target(m, providers[m.provider])
+        default = config.default_model or next(
+            (f"{p.name}/{engines[p.name].name}" for p in config.providers if p.type == "local"), None)
+        return cls(providers, models, {v.name: v for v in config.virtual_models}, default)
+
+    # -------------------------------------------------------------------------------- resolving
+
+    def _target(self, name: str) -> Target | None:
+        if name in self.models:
+            return self.models[name]
+        if name == DEFAULT_ALIAS and self.default_model:
+            return self._target(self.default_model)
+        provider, _, upstream = name.partition("/")
+        if upstream and provider in self.providers:
+            p = self.providers[provider]
+            if isinstance(p, LocalProvider):
+                return self.models.get(f"{provider}/{p.engine.name}") if upstream in (DEFAULT_ALIAS, p.engine.name) \
+                    else None
+            return Target(name, p, upstream)
+        return None
+
+    def known(self, name: str | None) -> bool:
+        return name is not None and (name in self.virtual or self._target(name) is not None)
+
+    def chain(self, name: str) -> list[Target]:
+        """The targets a name stands for, in failover order (virtual models expanded depth first)."""
+        if name in self.virtual:
+            return [t for target in self.virtual[name].targets for t in self.chain(target)]
+        target = self._target(name)
+        return [target] if target is not None else []
+
+    def resolve_name(self, name: str | None, strict: bool) -> str:
+        """The model name to route. Lenient dialects (System One, SGLang) send unknown names to the default."""
+        if name is not None and self.known(name):
+            return name
+        if not strict and self.default_model:
+            return self.default_model
+        served = ", ".join(repr(m.name) for m in self.model_list(capability="decisions"))
+        raise DecisionError(f"The model {name!r} does not exist or is not served here; served models: {served}.",
+                            ("model",), code="model_not_found")
+
+    # -------------------------------------------------------------------------------- answering
 
     async def decide(self, request: DecisionRequest, strict: bool = True) -> DecisionResult:
-        engine = self.resolve(request.model, strict)
-        # Tokenization and forward passes run off the event loop.
-        return await engine.decide_async(request)
+        name = self.resolve_name(request.model, strict)
+        limits.check_openai(request)
+        skipped: list[DecisionError] = []
+        failure: UpstreamError | None = None
+        for target in self.chain(name):
+            reason = target.unsupported(request)
+            if reason is not None:
+                if name in self.virtual:
+                    log.warning("skipping target", extra={"model": name, "target": target.name, "reason": reason.message})
+                skipped.append(reason)
+                continue
+            try:
+                result = await target.provider.decide(request, target.upstream)
+            except UpstreamError as error:
+                log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
+                                                     "failover": error.failover, "reason": error.message})
+                if not error.failover:
+                    raise
+                failure = error
+                continue
+            if target.provider.format == "local":
+                result.model = target.upstream
+            result.provider_format = target.provider.format
+            return result
+        if failure is not None:
+            raise failure
+        raise skipped[0] if len(skipped) == 1 or name not in self.virtual else DecisionError(
+            f"no target of {name!r} can answer this request: " + "; ".join(s.message for s in skipped),
+            skipped[0].path, code=skipped[0].code)
+
+    def local_engine(self, name: str | None) -> LocalEngine:
+        chosen = self.resolve_name(name, strict=False)
+        for target in self.chain(chosen):
+            if isinstance(target.provider, LocalProvider):
+                return target.provider.engine
+        raise DecisionError(f"model {chosen!r} is not a local model; /v1/score needs one", ("model",),
+                            code="model_not_supported")
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        engine = self.resolve(request.model, strict=False)
-        return await engine.score_async(request)
+        return await self.local_engine(request.model).score_async(request)
 
-    def models(self) -> list[ModelInfo]:
-        loaded = self.local.loaded
-        return [
-            ModelInfo(
-                name=self.local.name,
-                description=f"{loaded.name} ({loaded.parameters / 1e6:.0f}M parameters, {loaded.dtype}, "
-                f"{loaded.device}) answering decisions locally",
-                created=self.started,
-                release_date=loaded.release_date,
-            )
-        ]
+    # ------------------------------------------------------------------------------------ listing
+
+    def model_list(self, capability: str | None = None) -> list[ModelInfo]:
+        out = []
+        for target in self.models.values():
+            out.append(ModelInfo(target.name, owned_by=target.provider.name, description=target.description,
+                                 created=self.started, release_date=_release(target),
+                                 capabilities=target.capabilities))
+        for v in self.virtual.values():
+            caps = sorted({c for t in self.chain(v.name) for c in t.capabilities})
+            out.append(ModelInfo(v.name, owned_by="decisiond", created=self.started,
+                                 description=f"{v.strategy} over {', '.join(v.targets)}", capabilities=tuple(caps)))
+        return [m for m in out if capability is None or capability in m.capabilities]
+
+    async def aclose(self) -> None:
+        for provider in self.providers.values():
+            await provider.aclose()
+
+
+def _target(m: ModelConfig, provider: Provider) -> Target:
+    return Target(m.name, provider, m.upstream or m.name, tuple(m.capabilities), m.images, m.description)
+
+
+def _describe(engine: LocalEngine) -> str:
+    loaded = engine.loaded
+    return (f"{loaded.name} ({loaded.parameters / 1e6:.0f}M parameters, {loaded.dtype}, {loaded.device}) answering "
+            "decisions locally")
+
+
+def _release(target: Target) -> str:
+    if isinstance(target.provider, LocalProvider) and target.provider.engine.loaded.release_date:
+        return target.provider.engine.loaded.release_date
+    return time.strftime("%Y-%m-%d")

@@ -1,0 +1,206 @@
+"""The gateway's YAML config: providers, models and virtual models, with ``${ENV}`` interpolation.
+
+```yaml
+providers:
+  - {name: openai, type: openai, base_url: "https://api.openai.com/v1", api_key: "${OPENAI_API_KEY}"}
+  - {name: azure, type: azure, base_url: "https://res.openai.azure.com", api_key: "${AZURE_KEY}",
+     api_version: "2026-06-01"}
+  - {name: jev, type: systemone, base_url: "https://api.typesafe.ai", api_key: "${TYPESAFE_API_KEY}"}
+  - {name: kev, type: systemone, base_url: "http://kev.internal:8008"}
+  - {name: local, type: local, model: default}
+models:                       # optional: extra names and per-model settings; "provider/upstream" always works
+  - {name: luna, provider: openai, upstream: gpt-6-luna}
+  - {name: gpt-chat, provider: openai, upstream: gpt-6, capabilities: [chat]}
+virtual_models:
+  - {name: classifier, strategy: failover, targets: [kev/kev-latest, openai/gpt-6-luna]}
+  - {name: fast, strategy: alias, targets: [local/default]}
+```
+
+``${VAR}`` and ``${VAR:-default}`` are replaced in every string; a missing variable without a default is an error
+that names it. Everything is validated at start-up, with messages that name the entry at fault.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_CHAIN_DEPTH = 8
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+TYPESAFE_HOSTED = "https://api.typesafe.ai"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Limits(BaseModel):
+    """A provider's limits, checked after OpenAI's; None means no limit of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_questions: int | None = None
+    max_choices: int | None = None
+    max_levels: int | None = None
+    max_tokens: int | None = None
+    max_question_tokens: int | None = None
+
+
+class ProviderConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    type: Literal["openai", "azure", "systemone", "local"]
+    base_url: str | None = None
+    api_key: str | None = None
+    api_version: str | None = None  # azure
+    model: str | None = None  # local: the model spec (default, a folder, a .gguf, a hub id)
+    served_model_name: str | None = None  # local: the name it answers to (default: from model)
+    dtype: str = "float32"  # local
+    timeout: float = 60.0
+    connect_timeout: float = 5.0
+    # Whether the provider reads images; by default OpenAI and Azure do, TypeSafe's hosted API does, others do not.
+    images: bool | None = None
+    limits: Limits | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _needs(self) -> "ProviderConfig":
+        if self.type != "local" and not self.base_url:
+            raise ValueError(f"provider {self.name!r} ({self.type}) needs a base_url")
+        if self.type == "azure" and not self.api_version:
+            raise ValueError(f"provider {self.name!r} (azure) needs an api_version")
+        return self
+
+    @property
+    def reads_images(self) -> bool:
+        if self.images is not None:
+            return self.images
+        if self.type in ("openai", "azure"):
+            return True
+        if self.type == "systemone":
+            return (self.base_url or "").rstrip("/") == TYPESAFE_HOSTED
+        return False
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    provider: str
+    upstream: str | None = None  # the provider's model name (Azure: the deployment); defaults to name
+    capabilities: list[str] = Field(default_factory=lambda: ["decisions"])
+    images: bool | None = None
+    description: str = ""
+
+
+class VirtualModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    strategy: Literal["failover", "alias"] = "failover"
+    targets: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _alias_has_one(self) -> "VirtualModelConfig":
+        if self.strategy == "alias" and len(self.targets) != 1:
+            raise ValueError(f"alias {self.name!r} must have exactly one target")
+        return self
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    providers: list[ProviderConfig] = Field(default_factory=list)
+    models: list[ModelConfig] = Field(default_factory=list)
+    virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
+    # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
+    # name); defaults to the first local provider's model.
+    default_model: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GatewayConfig":
+        names = [p.name for p in self.providers]
+        if len(set(names)) != len(names):
+            raise ValueError("provider names must be unique")
+        providers = set(names)
+        for m in self.models:
+            if m.provider not in providers:
+                raise ValueError(f"model {m.name!r} names unknown provider {m.provider!r}")
+        model_names = [m.name for m in self.models] + [v.name for v in self.virtual_models]
+        if len(set(model_names)) != len(model_names):
+            raise ValueError("model and virtual model names must be unique")
+        check_chains(self)
+        return self
+
+
+def known_model(config: GatewayConfig, name: str) -> bool:
+    if any(m.name == name for m in config.models) or any(v.name == name for v in config.virtual_models):
+        return True
+    provider, _, upstream = name.partition("/")
+    return bool(upstream) and any(p.name == provider for p in config.providers)
+
+
+def check_chains(config: GatewayConfig) -> None:
+    """Virtual models must name known models, form no cycle, and nest at most ``MAX_CHAIN_DEPTH`` deep."""
+    virtual = {v.name: v for v in config.virtual_models}
+
+    def depth(name: str, path: tuple[str, ...]) -> int:
+        if name in path:
+            raise ValueError(f"virtual models form a cycle: {' -> '.join(path + (name,))}")
+        if name not in virtual:
+            if not known_model(config, name):
+                raise ValueError(f"virtual model {path[-1]!r} names unknown model {name!r}")
+            return 0
+        return 1 + max(depth(t, path + (name,)) for t in virtual[name].targets)
+
+    for name in virtual:
+        if depth(name, ()) > MAX_CHAIN_DEPTH:
+            raise ValueError(f"virtual model {name!r} nests more than {MAX_CHAIN_DEPTH} levels deep")
+
+
+def interpolate(value: Any, where: str = "") -> Any:
+    if isinstance(value, str):
+        def replace(match: re.Match) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"{where or 'config'}: environment variable {name} is not set")
+
+        return _VAR.sub(replace, value)
+    if isinstance(value, list):
+        return [interpolate(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: interpolate(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    return value
+
+
+def parse(data: Any) -> GatewayConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("the config must be a YAML mapping with providers, models and virtual_models")
+    try:
+        return GatewayConfig.model_validate(interpolate(data))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
+        raise ConfigError(problems) from None
+
+
+def load(path: str | Path) -> GatewayConfig:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    return parse(data)

@@ -1,0 +1,16 @@
+"""Azure OpenAI: the OpenAI request on the deployment's URL, with the ``api-key`` header and ``api-version``."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+from .openai import OpenAIProvider
+
+
+class AzureProvider(OpenAIProvider):
+    def url(self, upstream: str) -> str:
+        deployment = quote(upstream, safe="")
+        return f"{self.base_url}/openai/deployments/{deployment}/decisions?api-version={self.config.api_version}"
+
+    def auth(self) -> dict[str, str]:
+        return {"api-key": self.config.api_key} if self.config.api_key else {}

@@ -1,0 +1,29 @@
+"""System One servers: TypeSafe's hosted Jev, self-hosted Kev, OpenRouter's decision models, SGLang, and other
+decisiond instances. Bearer auth; the request and answers are translated both ways (``dialects.systemone``).
+Images go as TypeSafe assets (multipart), with ``TypeSafe-Danger-Zone-Images: true``, to hosted Jev only."""
+
+from __future__ import annotations
+
+import json
+
+from ...canonical import DecisionRequest, DecisionResult
+from ...dialects import systemone as wire
+from ..limits import SYSTEM_ONE
+from .base import HttpProvider
+
+
+class SystemOneProvider(HttpProvider):
+    format = "system_one"
+    default_limits = SYSTEM_ONE
+
+    async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
+        outbound = wire.render_request(request, upstream)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        if outbound.files:
+            headers["TypeSafe-Danger-Zone-Images"] = "true"
+            files = [("request", (None, json.dumps(outbound.body).encode(), "application/json"))]
+            files += [(name, (name, data, media_type)) for name, data, media_type in outbound.files]
+            data = await self.post(f"{self.base_url}/v1/systemone", headers, files=files)
+        else:
+            data = await self.post(f"{self.base_url}/v1/systemone", headers, json=outbound.body)
+        return wire.parse_response(data, request, outbound.keys)
