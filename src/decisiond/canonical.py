@@ -159,6 +159,10 @@ class DecisionRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
     prompt_format_version: int | None = None
     return_prompt_token_ids: bool = False
+    # decisiond's quality extensions: "given" | "cyclic" option order, "none" | "contextual" calibration;
+    # None means the model's default.
+    order: str | None = None
+    calibrate: str | None = None
     # OpenAI's cache and safety fields, kept so a request forwarded upstream loses nothing.
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = field(default=None, compare=False)

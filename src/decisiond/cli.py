@@ -22,6 +22,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _add_quality_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--order", default="given", choices=["given", "cyclic"],
+                   help="choice option order: as given, or averaged over every cyclic shift (requests may override)")
+    p.add_argument("--calibrate", default="none", choices=["none", "contextual"],
+                   help="divide out the label prior measured on content-free inputs (requests may override)")
+    p.add_argument("--calibration", default=None, metavar="PROFILE",
+                   help="a profile written by 'decisiond calibrate': fitted temperatures per question type")
+
+
 def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     from .engine.scheduler import DEFAULT_MAX_BATCH_TOKENS
 
@@ -39,10 +48,24 @@ def _engine(args: argparse.Namespace):
     loaded = model_mod.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name)
     log.info("model loaded", extra={"model": loaded.name, "path": loaded.path, "dtype": loaded.dtype,
                                     "device": loaded.device, "context_length": loaded.context_length})
-    scheduling = {}
+    options = {}
     if hasattr(args, "max_batch_tokens"):
-        scheduling = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000}
-    return LocalEngine(loaded, **scheduling)
+        options = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000}
+    if hasattr(args, "order"):
+        options.update(order=args.order, calibrate=args.calibrate, profile=_profile(args.calibration, loaded.name))
+    return LocalEngine(loaded, **options)
+
+
+def _profile(path: str | None, model: str):
+    from .engine.calibration import Profile
+
+    if not path:
+        return None
+    profile = Profile.load(path)
+    if profile.model != model:
+        log.warning("calibration profile was fitted for another model", extra={"profile_model": profile.model,
+                                                                              "model": model})
+    return profile
 
 
 def _router(args: argparse.Namespace):
@@ -62,8 +85,10 @@ def _router(args: argparse.Namespace):
         if provider.type == "local":
             loaded = model_mod.load(provider.model or "default", dtype=provider.dtype, device=args.device,
                                     served_name=provider.served_model_name)
-            engines[provider.name] = LocalEngine(loaded, max_batch_tokens=args.max_batch_tokens,
-                                                 max_wait_s=args.max_wait_ms / 1000)
+            engines[provider.name] = LocalEngine(
+                loaded, max_batch_tokens=args.max_batch_tokens, max_wait_s=args.max_wait_ms / 1000,
+                order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate,
+                profile=_profile(provider.calibration or args.calibration, loaded.name))
     log.info("gateway configured", extra={"providers": [p.name for p in config.providers],
                                           "models": [m.name for m in config.models],
                                           "virtual_models": [v.name for v in config.virtual_models]})
@@ -130,6 +155,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_engine_for(args: argparse.Namespace):
+    from .engine import model as model_mod
+    from .engine.local import LocalEngine
+
+    return LocalEngine(model_mod.load(args.model, dtype=args.dtype))
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Accuracy, log loss, Brier, ECE per mode side by side; JSON report and reliability diagram."""
+    from pathlib import Path
+
+    from . import evaluation
+
+    items = evaluation.load(args.file)
+    report = evaluation.evaluate(_load_engine_for(args), items, threshold=args.threshold, with_bias=args.bias)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    evaluation.plot(report, out / "reliability.png")
+    print(evaluation.table(report))
+    print(f"\nwrote {out / 'report.json'} and {out / 'reliability.png'}", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit a temperature (and optionally a per-position bias) per question type; write a profile."""
+    from . import evaluation
+
+    items = evaluation.load(args.file)
+    profile, summary = evaluation.calibrate(_load_engine_for(args), items, order=args.order,
+                                            calibrate_mode=args.calibrate, with_bias=args.bias, source=args.file)
+    profile.save(args.out)
+    for kind, row in summary.items():
+        print(f"{kind}: {row['questions']} questions, temperature {row['temperature']:.3f}, log loss "
+              f"{row['log_loss_before']:.3f} -> {row['log_loss_after']:.3f}")
+    print(f"wrote {args.out}; serve with: decisiond serve --order {args.order} --calibrate {args.calibrate} "
+          f"--calibration {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decisiond", description="Decision models from any chat LLM.")
     parser.add_argument("--version", action="version", version=f"decisiond {__version__}")
@@ -143,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None,
                        help="gateway YAML (providers, models, virtual models); without it, the local model alone")
     _add_scheduling_args(serve)
+    _add_quality_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     decide = sub.add_parser("decide", help="answer one decision request (JSON file or stdin) and print the answer")
@@ -150,6 +216,28 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("file", nargs="?", default="-", help="request JSON file, or - for stdin")
     decide.add_argument("--pretty", action="store_true", help="indent the JSON output")
     decide.set_defaults(func=cmd_decide)
+
+    evaluate = sub.add_parser("eval", help="measure the quality of the probabilities on labeled data, per mode")
+    evaluate.add_argument("file", help="labeled JSON Lines (input, questions, gold)")
+    evaluate.add_argument("--model", default="default")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    evaluate.add_argument("--threshold", type=float, default=0.5,
+                          help="answer only when the top probability reaches this (default 0.5)")
+    evaluate.add_argument("--bias", action="store_true", help="fit a per-position bias too in the fitted mode")
+    evaluate.add_argument("--out-dir", default="eval-report", help="where report.json and reliability.png go")
+    evaluate.add_argument("--log-level", default="warning")
+    evaluate.set_defaults(func=cmd_eval)
+
+    calibrate = sub.add_parser("calibrate", help="fit temperatures on labeled data and write a calibration profile")
+    calibrate.add_argument("file", help="labeled JSON Lines (input, questions, gold)")
+    calibrate.add_argument("--model", default="default")
+    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    calibrate.add_argument("--order", default="given", choices=["given", "cyclic"])
+    calibrate.add_argument("--calibrate", default="none", choices=["none", "contextual"])
+    calibrate.add_argument("--bias", action="store_true", help="also fit a per-position bias (a prior correction)")
+    calibrate.add_argument("--out", default="calibration.json")
+    calibrate.add_argument("--log-level", default="warning")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="measure the naive loop, decisiond in-process and over HTTP, side by side")
     bench.add_argument("--model", default="default")

@@ -6,7 +6,8 @@ Canonical → response: answers as an ordered list, ``name`` always present, int
 Errors: ``{"error": {message, type, param, code}}``, ``param`` naming the field (``questions[1].choices[0]``).
 
 decisiond extensions, sent by the SDK through ``extra_body``: ``temperature``, ``chat_template_kwargs``,
-``prompt_format_version``, ``return_prompt_token_ids``; each answer also carries ``label_mass``.
+``prompt_format_version``, ``return_prompt_token_ids``, ``order``, ``calibrate``; each answer also carries
+``label_mass`` (and ``order_spread`` under cyclic order).
 """
 
 from __future__ import annotations
@@ -239,9 +240,12 @@ class DecisionBody(StrictModel):
     chat_template_kwargs: dict[str, Any] | None = None
     prompt_format_version: int | None = None
     return_prompt_token_ids: bool | None = None
+    order: Literal["given", "cyclic"] | None = None
+    calibrate: Literal["none", "contextual"] | None = None
 
 
-EXTENSION_FIELDS = ("temperature", "chat_template_kwargs", "prompt_format_version", "return_prompt_token_ids")
+EXTENSION_FIELDS = ("temperature", "chat_template_kwargs", "prompt_format_version", "return_prompt_token_ids",
+                    "order", "calibrate")
 
 
 # ------------------------------------------------------------------------------------ parse request
@@ -272,6 +276,8 @@ def parse_request(body: Any) -> DecisionRequest:
         chat_template_kwargs=dict(parsed.chat_template_kwargs or {}),
         prompt_format_version=parsed.prompt_format_version,
         return_prompt_token_ids=bool(parsed.return_prompt_token_ids),
+        order=parsed.order,
+        calibrate=parsed.calibrate,
         prompt_cache_key=parsed.prompt_cache_key,
         prompt_cache_options=body.get("prompt_cache_options"),
         safety_identifier=parsed.safety_identifier,

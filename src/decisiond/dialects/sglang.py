@@ -76,6 +76,9 @@ class SGLangBody(StrictModel):
     prompt_format_version: int | None = None
     return_prompt_token_ids: bool = False
     model: str | None = None
+    # decisiond extensions
+    order: Literal["given", "cyclic"] | None = None
+    calibrate: Literal["none", "contextual"] | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -114,6 +117,8 @@ def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
         chat_template_kwargs=dict(parsed.chat_template_kwargs),
         prompt_format_version=parsed.prompt_format_version,
         return_prompt_token_ids=parsed.return_prompt_token_ids,
+        order=parsed.order,
+        calibrate=parsed.calibrate,
     )
 
 

@@ -100,6 +100,9 @@ class SystemOneBody(StrictModel):
     questions: dict[str, QuestionModel] = Field(min_length=1)
     assets: dict[str, AssetModel] | None = Field(default=None, min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    # decisiond extensions (the SDK sends them through extra_body)
+    order: Literal["given", "cyclic"] | None = None
+    calibrate: Literal["none", "contextual"] | None = None
     temperature: Any = None
     prompt_format_version: Any = None
     return_prompt_token_ids: Any = None
@@ -131,6 +134,8 @@ def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
         questions=questions,
         model=parsed.model,
         chat_template_kwargs=dict(parsed.chat_template_kwargs or {}),
+        order=parsed.order,
+        calibrate=parsed.calibrate,
     )
 
 
@@ -241,7 +246,7 @@ def _render_answer(a: Answer, q: Question) -> dict[str, Any]:
         }
     if a.label_mass is not None:
         out["x_label_mass"] = a.label_mass
-    out.update(a.extensions)
+    out.update({f"x_{k}": v for k, v in a.extensions.items()})
     return out
 
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 from .. import probability
 from ..canonical import Answer, DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
 from ..errors import invalid, refused
 from ..text import render_input
+from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
 from .model import LoadedModel
+from .packing import split_rows
 from .prompt import (
     MAX_SINGLE_LETTER,
     PROMPT_FORMAT_VERSION,
@@ -26,10 +31,30 @@ from .scorer import Scorer
 
 
 @dataclass
-class PreparedQuestion:
-    question: Question
+class Variant:
+    """One rendering of a question: its options in ``order`` (shown position -> original index)."""
+
+    order: list[int]
     labels: list[str]
     prompt: EncodedPrompt
+    # Content-free renderings (contextual calibration): cache keys, and the prompts not yet in the cache.
+    prior_keys: list[str] = field(default_factory=list)
+    prior_prompts: dict[str, EncodedPrompt] = field(default_factory=dict)
+
+
+@dataclass
+class PreparedQuestion:
+    question: Question
+    variants: list[Variant]
+
+    @property
+    def labels(self) -> list[str]:
+        return self.variants[0].labels
+
+    @property
+    def prompt(self) -> EncodedPrompt:
+        """The prompt with the options in the given order."""
+        return self.variants[0].prompt
 
 
 @dataclass
@@ -37,18 +62,32 @@ class Prepared:
     questions: list[PreparedQuestion]
     # Tokens every prompt starts with that the scheduler may serve from its prefix cache.
     header: tuple[int, ...]
+    order: str = "given"
+    calibrate: str = "none"
+
+
+PRIOR_CACHE_ENTRIES = 4096
 
 
 class LocalEngine:
     """Answers decisions from one loaded chat model. Thread-safe: all model work runs on the scheduler's worker,
-    which batches concurrent requests; preparing (templating, tokenizing, label checks) runs in the caller."""
+    which batches concurrent requests; preparing (templating, tokenizing, label checks) runs in the caller.
 
-    def __init__(self, loaded: LoadedModel, **scheduling):
+    ``order`` and ``calibrate`` are this model's defaults (a request may override them); ``profile`` holds fitted
+    temperatures and biases per question type (see ``calibration``)."""
+
+    def __init__(self, loaded: LoadedModel, order: str = "given", calibrate: str = "none",
+                 profile: Profile | None = None, **scheduling):
         self.loaded = loaded
         self.name = loaded.name
+        self.order = order
+        self.calibrate = calibrate
+        self.profile = profile
         self.prompter = ChatPrompter(loaded.tokenizer, loaded.context_length)
         self.scorer = Scorer(loaded.model)
         self.scheduler = Scheduler(self.scorer, **scheduling)
+        self._priors: OrderedDict[str, list[float]] = OrderedDict()
+        self._priors_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ preparing
 
@@ -66,62 +105,128 @@ class LocalEngine:
         for name in request.extra:
             raise invalid(f"Unknown parameter: '{name}'. The local engine does not read it.", name,
                           code="unknown_parameter")
+        if request.order not in (None, *ORDERS):
+            raise invalid(f"order must be one of {', '.join(ORDERS)}", "order")
+        if request.calibrate not in (None, *CALIBRATIONS):
+            raise invalid(f"calibrate must be one of {', '.join(CALIBRATIONS)}", "calibrate")
         text_only_check(request.images(), self.name)
         if not request.questions:
             raise invalid("at least one question is required", "questions", code="empty_array")
         for question in request.questions:
             check_renderable(question)
 
-    def prepare(self, request: DecisionRequest) -> Prepared:
+    def prepare(self, request: DecisionRequest, order: str | None = None, calibrate: str | None = None) -> Prepared:
         self.check(request)
+        order = order or request.order or self.order
+        calibrate = calibrate or request.calibrate or self.calibrate
         kwargs = self.prompter.template_kwargs(request.chat_template_kwargs)
+        kwargs_key = json.dumps(kwargs, sort_keys=True, default=str)
         text = render_input(request.input)
         prepared = []
         for question in request.questions:
             labels = labels_for(question)
-            content = render_question(text, question, labels)
             if question.kind == "choice" and len(labels) > MAX_SINGLE_LETTER:
-                labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
                 content = render_question(text, question, labels)
-            prompt = self.prompter.encode(content, labels, kwargs, question.source)
-            prepared.append(PreparedQuestion(question, labels, prompt))
-        return Prepared(prepared, self.prompter.header_ids(kwargs))
+                labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
+            variants = []
+            for perm in shifts(question.candidates, order == "cyclic" and question.kind == "choice"):
+                shown = reorder(question, perm)
+                prompt = self.prompter.encode(render_question(text, shown, labels), labels, kwargs, question.source)
+                variant = Variant(perm, labels, prompt)
+                if calibrate == "contextual":
+                    for free in CONTENT_FREE:
+                        content = render_question(free, shown, labels)
+                        key = kwargs_key + "\x00" + content
+                        variant.prior_keys.append(key)
+                        if self._prior(key) is None:
+                            variant.prior_prompts[key] = self.prompter.encode(content, labels, kwargs, question.source)
+                variants.append(variant)
+            prepared.append(PreparedQuestion(question, variants))
+        return Prepared(prepared, self.prompter.header_ids(kwargs), order, calibrate)
 
-    def _submit(self, prepared: Prepared) -> Job:
-        questions = prepared.questions
-        return self.scheduler.submit([p.prompt.ids for p in questions], [p.prompt.label_ids for p in questions],
-                                     prepared.header)
+    def _prior(self, key: str) -> list[float] | None:
+        with self._priors_lock:
+            found = self._priors.get(key)
+            if found is not None:
+                self._priors.move_to_end(key)
+            return found
 
-    @staticmethod
-    def _result(request: DecisionRequest, prepared: Prepared, job: Job, logprobs: list[list[float]]) -> DecisionResult:
-        temperature = request.temperature or 1.0
-        answers = [build_answer(p, lps, temperature, request.return_prompt_token_ids)
-                   for p, lps in zip(prepared.questions, logprobs)]
+    def _remember_prior(self, key: str, logprobs: list[float]) -> None:
+        with self._priors_lock:
+            self._priors[key] = logprobs
+            while len(self._priors) > PRIOR_CACHE_ENTRIES:
+                self._priors.popitem(last=False)
+
+    # -------------------------------------------------------------------------------------- scoring
+
+    def _submit(self, prepared: Prepared) -> tuple[Job, list[str]]:
+        """One job: every variant's prompt, then the content-free prompts whose priors are not cached yet."""
+        prompts, labels = [], []
+        for q in prepared.questions:
+            for v in q.variants:
+                prompts.append(v.prompt.ids)
+                labels.append(v.prompt.label_ids)
+        pending: dict[str, EncodedPrompt] = {}
+        for q in prepared.questions:
+            for v in q.variants:
+                pending.update(v.prior_prompts)
+        for prompt in pending.values():
+            prompts.append(prompt.ids)
+            labels.append(prompt.label_ids)
+        return self.scheduler.submit(prompts, labels, prepared.header), list(pending)
+
+    def _evidence(self, prepared: Prepared, pending: list[str], logprobs: list[list[float]]) -> list[list[VariantEvidence]]:
+        count = sum(len(q.variants) for q in prepared.questions)
+        for key, lps in zip(pending, logprobs[count:]):
+            self._remember_prior(key, lps)
+        out, k = [], 0
+        for q in prepared.questions:
+            evidence = []
+            for v in q.variants:
+                priors = [self._prior(key) for key in v.prior_keys] if v.prior_keys else None
+                evidence.append(VariantEvidence(v.order, logprobs[k], priors))
+                k += 1
+            out.append(evidence)
+        return out
+
+    def evidence(self, request: DecisionRequest, order: str | None = None,
+                 calibrate: str | None = None) -> tuple[Prepared, list[list[VariantEvidence]]]:
+        """What the model says about each rendering of each question (for eval and calibrate)."""
+        prepared = self.prepare(request, order, calibrate)
+        job, pending = self._submit(prepared)
+        return prepared, self._evidence(prepared, pending, job.future.result())
+
+    def _result(self, request: DecisionRequest, prepared: Prepared, evidence: list[list[VariantEvidence]]) -> DecisionResult:
+        answers = []
+        for q, variants in zip(prepared.questions, evidence):
+            fitted = self.profile.for_kind(q.question.kind) if self.profile else None
+            temperature = request.temperature or (fitted.temperature if fitted else 1.0)
+            answers.append(build_answer(q, variants, prepared.calibrate == "contextual", temperature,
+                                        fitted.bias if fitted else None, request.return_prompt_token_ids))
         total = sum(a.prompt_tokens for a in answers)
+        real = [v.prompt.ids for q in prepared.questions for v in q.variants]
+        computed = sum(len(row) for _, row in split_rows(real, self.scheduler.max_row_tokens, len(prepared.header)))
         return DecisionResult(
-            model="",
+            model=self.name,
             answers=answers,
             # Shared tokens are computed once per request and the template header comes from the prefix cache:
             # the rest of the prompt tokens count as cached.
-            usage=Usage(input_tokens=total, cached_tokens=max(0, total - job.computed_tokens)),
+            usage=Usage(input_tokens=total, cached_tokens=max(0, total - computed)),
             prompt_format_version=PROMPT_FORMAT_VERSION,
             provider_format="local",
         )
 
     def decide(self, request: DecisionRequest) -> DecisionResult:
         prepared = self.prepare(request)
-        job = self._submit(prepared)
-        result = self._result(request, prepared, job, job.future.result())
-        result.model = self.name
-        return result
+        job, pending = self._submit(prepared)
+        return self._result(request, prepared, self._evidence(prepared, pending, job.future.result()))
 
     async def decide_async(self, request: DecisionRequest) -> DecisionResult:
         """Prepare off the event loop, then wait for the scheduler without blocking the loop."""
         prepared = await asyncio.to_thread(self.prepare, request)
-        job = self._submit(prepared)
-        result = self._result(request, prepared, job, await asyncio.wrap_future(job.future))
-        result.model = self.name
-        return result
+        job, pending = self._submit(prepared)
+        logprobs = await asyncio.wrap_future(job.future)
+        return self._result(request, prepared, self._evidence(prepared, pending, logprobs))
 
     # -------------------------------------------------------------------------------- raw scoring
 
@@ -162,22 +267,32 @@ class LocalEngine:
         return self._score_result(request, prompts, await asyncio.wrap_future(job.future))
 
 
-def build_answer(prepared: PreparedQuestion, logprobs: list[float], temperature: float, with_ids: bool) -> Answer:
+def reorder(question: Question, order: list[int]) -> Question:
+    """The question with its options shown in ``order`` (sources kept, so errors still name the right option)."""
+    if question.kind != "choice" or order == list(range(len(question.options))):
+        return question
+    return replace(question, options=tuple(question.options[i] for i in order))
+
+
+def build_answer(prepared: PreparedQuestion, variants: list[VariantEvidence], contextual: bool, temperature: float,
+                 bias: list[float] | None, with_ids: bool) -> Answer:
     question = prepared.question
-    probabilities = probability.label_probabilities(logprobs, temperature)
+    probabilities, spread = combine(variants, contextual, temperature, bias)
     confidence = None
     if question.kind == "choice":
         confidence = probability.choice_confidence(probabilities)
     elif question.kind == "score":
         confidence = probability.score_confidence(probabilities)
+    given = prepared.variants[0].prompt
     return Answer(
         kind=question.kind,
         name=question.name,
         probabilities=probabilities,
-        label_logprobs=list(logprobs),
-        label_mass=probability.label_mass(logprobs),
+        label_logprobs=list(variants[0].logprobs),
+        label_mass=math.fsum(probability.label_mass(v.logprobs) for v in variants) / len(variants),
         confidence=confidence,
-        prompt_tokens=len(prepared.prompt.ids),
-        prompt_token_ids=list(prepared.prompt.ids) if with_ids else None,
-        label_token_ids=list(prepared.prompt.label_ids) if with_ids else None,
+        prompt_tokens=sum(len(v.prompt.ids) for v in prepared.variants),
+        prompt_token_ids=list(given.ids) if with_ids else None,
+        label_token_ids=list(given.label_ids) if with_ids else None,
+        extensions={"order_spread": spread} if len(variants) > 1 else {},
     )

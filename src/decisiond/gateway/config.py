@@ -63,6 +63,9 @@ class ProviderConfig(BaseModel):
     model: str | None = None  # local: the model spec (default, a folder, a .gguf, a hub id)
     served_model_name: str | None = None  # local: the name it answers to (default: from model)
     dtype: str = "float32"  # local
+    order: Literal["given", "cyclic"] | None = None  # local: default option order (else the CLI's)
+    calibrate: Literal["none", "contextual"] | None = None  # local: default calibration (else the CLI's)
+    calibration: str | None = None  # local: a profile from `decisiond calibrate`
     timeout: float = 60.0
     connect_timeout: float = 5.0
     # Whether the provider reads images; by default OpenAI and Azure do, TypeSafe's hosted API does, others do not.

@@ -64,7 +64,8 @@ class Target:
             extension = next((name for name, value in (
                 ("temperature", request.temperature), ("prompt_format_version", request.prompt_format_version),
                 ("return_prompt_token_ids", request.return_prompt_token_ids or None),
-                ("chat_template_kwargs", request.chat_template_kwargs or None)) if value is not None), None)
+                ("chat_template_kwargs", request.chat_template_kwargs or None), ("order", request.order),
+                ("calibrate", request.calibrate)) if value is not None), None)
             if extension is not None:
                 return DecisionError(f"{extension} is applied by decisiond's local engine; model {self.name!r} "
                                      f"({self.provider.name}) cannot honour it", (extension,),
