@@ -40,6 +40,7 @@ providers:
   - {name: e400, type: openai, base_url: "${UP_400}/v1"}
   - {name: hang, type: openai, base_url: "${UP_HANG}/v1", timeout: 1}
   - {name: drop, type: openai, base_url: "${UP_DROP}/v1"}
+  - {name: garbage, type: openai, base_url: "${UP_GARBAGE}/v1"}
   - {name: local, type: local, model: "${TINY_DIR}", served_model_name: tiny-local}
 models:
   - {name: gpt-chat, provider: openai, upstream: gpt-6, capabilities: [chat]}
@@ -51,6 +52,7 @@ virtual_models:
   - {name: chatty, targets: [gpt-chat, luna]}
   - {name: nested, targets: [vision]}
   - {name: kev-alias, strategy: alias, targets: [kev/kev-latest]}
+  - {name: sturdy, targets: [garbage/x, luna]}
 """
 
 
@@ -67,6 +69,7 @@ def ups():
         "400": upstreams.status_server(400, {"error": {"message": "Invalid value: " + "x" * 900, "param": "input"}}),
         "hang": upstreams.hanging_server(30),
         "drop": upstreams.dropping_server(),
+        "garbage": upstreams.status_server(200, {"answers": "not a list", "usage": "none"}),
     }
     yield servers
     for s in servers.values():
@@ -231,6 +234,14 @@ def test_direct_429_keeps_status_and_retry_after(oa, gateway):
     r = httpx.post(gateway.url + "/v1/decisions", json={"model": "hang/x", "input": "x", "questions": QUESTIONS[:1]},
                    timeout=30)
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+
+
+def test_a_malformed_upstream_answer_is_a_502_that_fails_over(oa, gateway):
+    r = httpx.post(gateway.url + "/v1/decisions", json={"model": "garbage/x", "input": "x", "questions": QUESTIONS[:1]})
+    assert r.status_code == 502 and "garbage" in r.json()["error"]["message"]
+    assert oa.decisions.create(model="sturdy", input="x", questions=QUESTIONS[:1]).model == "gpt-6-luna"
+    assert oa.decisions.with_raw_response.create(model="kev-alias", input="x", questions=QUESTIONS[:1]).headers[
+        "x-decisiond-provider-format"] == "system_one"
 
 
 def test_models_without_a_decisions_api_are_skipped_or_refused(oa, ups):

@@ -208,3 +208,33 @@ def test_prompt_over_context_length_is_refused(tokenizer):
     with pytest.raises(DecisionError, match="does not fit the context length of 64 tokens") as e:
         prompter.encode("word " * 100, ["yes", "no"], {}, ("questions", 0))
     assert e.value.code == "context_length_exceeded" and e.value.path == ("questions", 0)
+
+
+def test_model_without_a_chat_template_is_refused(tokenizer):
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(DecisionError, match="no chat template") as e:
+        ChatPrompter(bare, 8192).render("x", {})
+    assert e.value.status == 400
+
+
+class LossyTokenizer:
+    """SmolLM2's tokenizer with a decode that loses accents, like a normalising tokenizer would."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.chat_template = inner.chat_template
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, **kwargs):
+        return self.inner.decode(ids, **kwargs).replace("ü", "u")
+
+
+def test_tokenizer_that_does_not_round_trip_is_refused(tokenizer):
+    assert not ChatPrompter(tokenizer, 8192).lossy
+    prompter = ChatPrompter(LossyTokenizer(tokenizer), 8192)
+    assert prompter.lossy
+    with pytest.raises(DecisionError, match="does not encode the rendered chat text back"):
+        prompter.render("x", {})

@@ -1,4 +1,5 @@
-"""Command line: ``decisiond serve`` and ``decisiond decide``."""
+"""Command line: ``decisiond serve`` (server and gateway), ``decide`` (one request, no server), ``eval`` and
+``calibrate`` (labeled data), ``bench`` (the side-by-side benchmark)."""
 
 from __future__ import annotations
 
@@ -98,10 +99,9 @@ def _router(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .server import Settings, create_app
-
     from .engine.model import ModelNotFound
     from .gateway.config import ConfigError
+    from .server import Settings, create_app
 
     try:
         router = _router(args)
@@ -215,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(decide)
     decide.add_argument("file", nargs="?", default="-", help="request JSON file, or - for stdin")
     decide.add_argument("--pretty", action="store_true", help="indent the JSON output")
+    _add_quality_args(decide)
     decide.set_defaults(func=cmd_decide)
 
     evaluate = sub.add_parser("eval", help="measure the quality of the probabilities on labeled data, per mode")

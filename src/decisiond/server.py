@@ -135,6 +135,7 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
             state["dialect"] = dialect.name
             parsed = dialect.parse(document, payload.files)
             state["model"] = parsed.model
+            headers = {}
             if dialect.operation == "score":
                 state["items"] = len(parsed.prompts)
                 result = await router.score(parsed)
@@ -144,9 +145,8 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
                 result = await router.decide(parsed, strict=dialect.strict_model)
                 state.update(served_model=result.model, input_tokens=result.usage.input_tokens,
                              provider_format=result.provider_format)
-                return JSONResponse(dialect.render(result, parsed),
-                                    headers={"x-decisiond-provider-format": result.provider_format})
-            return JSONResponse(dialect.render(result, parsed))
+                headers["x-decisiond-provider-format"] = result.provider_format
+            return JSONResponse(dialect.render(result, parsed), headers=headers)
         except DecisionError as error:
             state.update(error_code=error.code)
             status, body = dialect.error(error, document)

@@ -37,9 +37,9 @@ class Variant:
     order: list[int]
     labels: list[str]
     prompt: EncodedPrompt
-    # Content-free renderings (contextual calibration): cache keys, and the prompts not yet in the cache.
-    prior_keys: list[str] = field(default_factory=list)
-    prior_prompts: dict[str, EncodedPrompt] = field(default_factory=dict)
+    # Content-free renderings (contextual calibration), by cache key: their label log-probs when cached (taken
+    # at preparation, so a cache eviction later cannot lose them), else the prompt still to score.
+    priors: dict[str, list[float] | EncodedPrompt] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,9 +137,9 @@ class LocalEngine:
                     for free in CONTENT_FREE:
                         content = render_question(free, shown, labels)
                         key = kwargs_key + "\x00" + content
-                        variant.prior_keys.append(key)
-                        if self._prior(key) is None:
-                            variant.prior_prompts[key] = self.prompter.encode(content, labels, kwargs, question.source)
+                        cached = self._prior(key)
+                        variant.priors[key] = cached if cached is not None else \
+                            self.prompter.encode(content, labels, kwargs, question.source)
                 variants.append(variant)
             prepared.append(PreparedQuestion(question, variants))
         return Prepared(prepared, self.prompter.header_ids(kwargs), order, calibrate)
@@ -162,14 +162,12 @@ class LocalEngine:
     def _submit(self, prepared: Prepared) -> tuple[Job, list[str]]:
         """One job: every variant's prompt, then the content-free prompts whose priors are not cached yet."""
         prompts, labels = [], []
+        pending: dict[str, EncodedPrompt] = {}
         for q in prepared.questions:
             for v in q.variants:
                 prompts.append(v.prompt.ids)
                 labels.append(v.prompt.label_ids)
-        pending: dict[str, EncodedPrompt] = {}
-        for q in prepared.questions:
-            for v in q.variants:
-                pending.update(v.prior_prompts)
+                pending.update((k, p) for k, p in v.priors.items() if isinstance(p, EncodedPrompt))
         for prompt in pending.values():
             prompts.append(prompt.ids)
             labels.append(prompt.label_ids)
@@ -177,21 +175,22 @@ class LocalEngine:
 
     def _evidence(self, prepared: Prepared, pending: list[str], logprobs: list[list[float]]) -> list[list[VariantEvidence]]:
         count = sum(len(q.variants) for q in prepared.questions)
-        for key, lps in zip(pending, logprobs[count:]):
+        scored = dict(zip(pending, logprobs[count:]))
+        for key, lps in scored.items():
             self._remember_prior(key, lps)
         out, k = [], 0
         for q in prepared.questions:
             evidence = []
             for v in q.variants:
-                priors = [self._prior(key) for key in v.prior_keys] if v.prior_keys else None
-                evidence.append(VariantEvidence(v.order, logprobs[k], priors))
+                priors = [scored[key] if isinstance(p, EncodedPrompt) else p for key, p in v.priors.items()]
+                evidence.append(VariantEvidence(v.order, logprobs[k], priors or None))
                 k += 1
             out.append(evidence)
         return out
 
     def evidence(self, request: DecisionRequest, order: str | None = None,
                  calibrate: str | None = None) -> tuple[Prepared, list[list[VariantEvidence]]]:
-        """What the model says about each rendering of each question (for eval and calibrate)."""
+        """What the model says about each rendering of each question (also for eval and calibrate)."""
         prepared = self.prepare(request, order, calibrate)
         job, pending = self._submit(prepared)
         return prepared, self._evidence(prepared, pending, job.future.result())
@@ -217,9 +216,7 @@ class LocalEngine:
         )
 
     def decide(self, request: DecisionRequest) -> DecisionResult:
-        prepared = self.prepare(request)
-        job, pending = self._submit(prepared)
-        return self._result(request, prepared, self._evidence(prepared, pending, job.future.result()))
+        return self._result(request, *self.evidence(request))
 
     async def decide_async(self, request: DecisionRequest) -> DecisionResult:
         """Prepare off the event loop, then wait for the scheduler without blocking the loop."""

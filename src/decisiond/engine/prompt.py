@@ -144,6 +144,21 @@ class ChatPrompter:
         self.markers = next(((a, b) for a, b in REASONING_MARKERS if a in source and b in source), None)
         self._reply_checked: dict[str, bool] = {}
         self._headers: dict[str, tuple[int, ...]] = {}
+        self.lossy = self._lossy()
+
+    def _lossy(self) -> bool:
+        """Whether the tokenizer fails to encode rendered chat text back to the same text: labels are placed on the
+        text, so such a tokenizer cannot be trusted with them (checked once, on a probe prompt)."""
+        if self.template is None:
+            return False
+        probe = 'Probe {"a":[1,2]} ünïcode\n\nQuestion: Which?\nA: one - first\nB: two\nAnswer with the letter.'
+        kwargs = {self.toggle: False} if self.toggle else {}
+        try:
+            text = self._apply([{"role": "user", "content": probe}], kwargs, True)
+        except DecisionError:
+            return False  # a template that refuses the probe is reported per request instead
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != text
 
     @staticmethod
     def _find_toggle(template: str | None) -> str | None:
@@ -198,6 +213,10 @@ class ChatPrompter:
             raise refused(f"the chat template failed: {e}", code="chat_template_error") from e
 
     def render(self, content: str, kwargs: dict[str, Any]) -> str:
+        if self.lossy:
+            raise refused("this model's tokenizer does not encode the rendered chat text back to the same text, so "
+                          "answer labels cannot be placed reliably; this model is not supported",
+                          code="unsupported_model")
         prompt = self._apply([{"role": "user", "content": content}], kwargs, True)
         if self.markers is not None:
             self._check_reasoning(content, prompt, kwargs)

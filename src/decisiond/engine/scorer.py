@@ -75,6 +75,20 @@ class Scorer:
             self._prefixes.popitem(last=False)
         return kv
 
+    def _mask(self, rows: Sequence[PackedRow], width: int, skip: int) -> torch.Tensor:
+        """The 4-D mask of padded packed rows: the cached prefix, then each row's own tree mask."""
+        mask = torch.zeros(len(rows), 1, width, skip + width, dtype=torch.bool)
+        mask[:, :, :, :skip] = True
+        for r, row in enumerate(rows):
+            n = len(row)
+            mask[r, 0, :n, skip:skip + n] = row.mask()
+            padding = torch.arange(n, width)
+            mask[r, 0, padding, skip + padding] = True  # padding sees itself: no empty softmax rows
+        if self.bool_mask:
+            return mask.to(self.device)
+        return torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(
+            ~mask, torch.finfo(self.model.dtype).min).to(self.device)
+
     @torch.inference_mode()
     def packed(self, jobs: Sequence[RowJob], prefix: tuple[int, ...] = ()) -> list[list[list[float]]]:
         """Label log-probs for every prompt of every row, in one forward pass. ``prefix`` (possibly empty) is the
@@ -83,15 +97,9 @@ class Scorer:
         count, width, skip = len(rows), max(len(r) for r in rows), len(prefix)
         ids = torch.zeros(count, width, dtype=torch.long)
         positions = torch.full((count, width), skip, dtype=torch.long)
-        mask = torch.zeros(count, 1, width, skip + width, dtype=torch.bool)
-        mask[:, :, :, :skip] = True
         for r, row in enumerate(rows):
-            n = len(row)
-            ids[r, :n] = torch.tensor(row.tokens)
-            positions[r, :n] = torch.tensor(row.positions)
-            mask[r, 0, :n, skip:skip + n] = row.mask()
-            padding = torch.arange(n, width)
-            mask[r, 0, padding, skip + padding] = True  # padding sees itself: no empty softmax rows
+            ids[r, :len(row)] = torch.tensor(row.tokens)
+            positions[r, :len(row)] = torch.tensor(row.positions)
         # Logits only where some row has a target; each row reads its own.
         wanted = sorted({t for row in rows for t in row.targets})
         where = {t: k for k, t in enumerate(wanted)}
@@ -103,9 +111,7 @@ class Scorer:
             kwargs[self.cache_arg] = DynamicCache(
                 ddp_cache_data=[(k.expand(count, -1, -1, -1), v.expand(count, -1, -1, -1)) for k, v in kv]
             )
-        attention = mask.to(self.device)
-        if not self.bool_mask:
-            attention = torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(~mask, torch.finfo(self.model.dtype).min).to(self.device)
+        attention = self._mask(rows, width, skip)
         logits = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),

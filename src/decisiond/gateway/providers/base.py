@@ -99,5 +99,18 @@ class HttpProvider(Provider):
             raise upstream_error(self.name, 502, f"provider {self.name!r} answered with a body that is not JSON",
                                  code="upstream_invalid_response") from e
 
+    def translate(self, parse, *args: Any) -> DecisionResult:
+        """Translate an upstream answer; one that does not fit its wire format is the provider's fault (502)."""
+        try:
+            return parse(*args)
+        except DecisionError as e:
+            if e.status < 500:
+                raise
+            raise upstream_error(self.name, 502, f"provider {self.name!r}: {e.message}",
+                                 code="upstream_invalid_response") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise upstream_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",
+                                 code="upstream_invalid_response") from e
+
     async def aclose(self) -> None:
         await self.client.aclose()

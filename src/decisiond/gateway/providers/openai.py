@@ -18,4 +18,4 @@ class OpenAIProvider(HttpProvider):
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         data = await self.post(self.url(upstream), self.auth(), json=wire.render_request(request, upstream))
-        return wire.parse_response(data, request)
+        return self.translate(wire.parse_response, data, request)

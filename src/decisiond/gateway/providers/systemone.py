@@ -26,4 +26,4 @@ class SystemOneProvider(HttpProvider):
             data = await self.post(f"{self.base_url}/v1/systemone", headers, files=files)
         else:
             data = await self.post(f"{self.base_url}/v1/systemone", headers, json=outbound.body)
-        return wire.parse_response(data, request, outbound.keys)
+        return self.translate(wire.parse_response, data, request, outbound.keys)
