@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -84,6 +84,19 @@ _CODES = {
     "string_too_long": "string_above_max_length",
     "string_too_short": "string_below_min_length",
 }
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def validate_body(schema: type[Body], body: Any, code: str = "invalid_type") -> Body:
+    """A request body parsed by its dialect's schema; anything else is refused naming the field at fault."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", code=code)
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e, body) from None
 
 
 def from_validation(error: ValidationError, document: Any) -> DecisionError:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, ValidationError
+from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag
 
 from ..canonical import (
     Answer,
@@ -35,7 +35,7 @@ from ..canonical import (
 from ..text import render_text
 from ..errors import DecisionError, invalid, openai_param
 from .. import probability
-from .common import StrictModel, check_json_limits, from_validation
+from .common import StrictModel, check_json_limits, validate_body
 
 MAX_QUESTIONS = 400
 MAX_CHOICES = 255
@@ -252,12 +252,7 @@ EXTENSION_FIELDS = ("temperature", "chat_template_kwargs", "prompt_format_versio
 
 
 def parse_request(body: Any) -> DecisionRequest:
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
-    try:
-        parsed = DecisionBody.model_validate(body)
-    except ValidationError as e:
-        raise from_validation(e, body) from None
+    parsed = validate_body(DecisionBody, body)
     items = _input(parsed.input)
     questions = tuple(_question(q, i) for i, q in enumerate(parsed.questions))
     _check_names(questions)

@@ -12,11 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any, Union
 
-from pydantic import ValidationError
-
 from ..canonical import ScoreRequest, ScoreResult
 from ..errors import invalid
-from .common import StrictModel, from_validation
+from .common import StrictModel, validate_body
 from .sglang import DEFAULT_MODEL
 
 MAX_ITEMS = 1024
@@ -34,12 +32,7 @@ class ScoreBody(StrictModel):
 
 
 def parse_request(body: Any, files: dict | None = None) -> ScoreRequest:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    try:
-        parsed = ScoreBody.model_validate(body)
-    except ValidationError as e:
-        raise from_validation(e, body) from None
+    parsed = validate_body(ScoreBody, body)
     if not (math.isfinite(parsed.temperature) and parsed.temperature > 0):
         raise invalid("temperature must be a finite number above 0", "temperature")
     if parsed.temperature != 1.0 and not parsed.apply_softmax:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, Field, ValidationError, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from .. import probability
 from ..canonical import Answer, DecisionRequest, DecisionResult, Json, Level, Message, Option, Part, Question, Text
 from ..errors import DecisionError, invalid, openai_param, refused
 from ..text import is_blank
-from .common import StrictModel, from_validation
+from .common import StrictModel, validate_body
 
 MAX_OPTIONS = 26
 MAX_LEVELS = 10
@@ -95,12 +95,7 @@ DEFAULT_MODEL = "default"
 
 
 def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    try:
-        parsed = SGLangBody.model_validate(body)
-    except ValidationError as e:
-        raise from_validation(e, body) from None
+    parsed = validate_body(SGLangBody, body)
     if parsed.model and ":" in parsed.model:
         adapter = parsed.model.split(":", 1)[1]
         raise refused(f"model names the LoRA adapter {adapter!r}, which /v1/decisions does not support", "model")

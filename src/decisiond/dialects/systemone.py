@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .. import probability
 from ..canonical import (
@@ -34,7 +34,7 @@ from ..canonical import (
 )
 from ..text import is_blank, render_input, render_part, render_text
 from ..errors import DecisionError, invalid, refused
-from .common import StrictModel, from_validation
+from .common import StrictModel, validate_body
 
 MAX_CHOICES = 255
 MAX_LEVELS = 10
@@ -119,12 +119,7 @@ class SystemOneBody(StrictModel):
 
 
 def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="model_attributes_type")
-    try:
-        parsed = SystemOneBody.model_validate(body)
-    except ValidationError as e:
-        raise from_validation(e, body) from None
+    parsed = validate_body(SystemOneBody, body, code="model_attributes_type")
     if ":" in parsed.model:
         raise refused(f"model {parsed.model!r} names a LoRA adapter after a colon, which is not supported", "model")
     images = _assets(parsed.assets or {}, files or {})
