@@ -21,7 +21,7 @@ def parse(**body):
 def error_of(**body):
     with pytest.raises(DecisionError) as e:
         parse(**body)
-    return s1.error_response(e.value)
+    return s1.render_error(e.value)
 
 
 def test_questions_map_to_canonical_with_wire_paths():
@@ -83,7 +83,7 @@ def test_validation_errors_are_fastapi_422():
     assert status == 422
     assert body == {"detail": [{"loc": ["body", "questions", "urgency", "score", "criteria"], "msg": "Field required",
                                 "type": "missing"}]}
-    status, body = s1.error_response(pytest.raises(DecisionError, s1.parse_request, {"model": "m", "questions": {}}).value)
+    status, body = s1.render_error(pytest.raises(DecisionError, s1.parse_request, {"model": "m", "questions": {}}).value)
     assert status == 422 and {"loc": ["body", "state"], "msg": "Field required", "type": "missing"} in body["detail"]
     status, body = error_of(state=None, questions={"q": {"type": "noul", "instructions": "?"}})
     assert body["detail"][0]["loc"] == ["body", "state"]

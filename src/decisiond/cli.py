@@ -69,18 +69,22 @@ def _profile(path: str | None, model: str):
     return profile
 
 
-def _router(args: argparse.Namespace):
-    """With ``--config``: the gateway it describes (local providers load their models); without: the local
-    engine alone."""
+def _load_config(args: argparse.Namespace):
+    from .gateway import config as gateway_config
+
+    return gateway_config.load(args.config) if getattr(args, "config", None) else None
+
+
+def _router(args: argparse.Namespace, config=None):
+    """With a config: the gateway it describes (local providers load their models); without: the local engine
+    alone."""
     from .gateway.router import Router
 
-    if not getattr(args, "config", None):
+    if config is None:
         return Router.local_only(_engine(args))
     from .engine import model as model_mod
     from .engine.local import LocalEngine
-    from .gateway import config as gateway_config
 
-    config = gateway_config.load(args.config)
     engines = {}
     for provider in config.providers:
         if provider.type == "local":
@@ -96,20 +100,42 @@ def _router(args: argparse.Namespace):
     return Router.from_config(config, engines)
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .engine.model import ModelNotFound
-    from .gateway.config import ConfigError
+    from .gateway.config import ConfigError, GatewayConfig
+    from .gateway.service import Gateway
     from .server import Settings, create_app
 
     try:
-        router = _router(args)
+        config = _load_config(args)
+    except ConfigError as error:
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    unauthenticated = not Gateway.keys_configured(config or GatewayConfig())
+    if unauthenticated and not _loopback(args.host) and not args.allow_unauthenticated:
+        print(f"decisiond: refusing to serve {args.host} without an API key: set auth.master_key in the config or "
+              "DECISIOND_MASTER_KEY, or pass --allow-unauthenticated", file=sys.stderr)
+        return 2
+    try:
+        router = _router(args, config)
     except (ConfigError, ModelNotFound) as error:
         log.error(str(error))
         print(f"decisiond: {error}", file=sys.stderr)
         return 2
-    app = create_app(router, Settings(max_body_bytes=args.max_body_bytes))
+    app = create_app(router, Settings(max_body_bytes=args.max_body_bytes), Gateway(router, config))
     log.info("serving", extra={"host": args.host, "port": args.port})
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
                 timeout_keep_alive=60)
@@ -127,7 +153,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     try:
         request = dialect.parse_request(parse_json(raw))
         router = Router.local_only(_engine(args))
-        result = asyncio.run(router.decide(request, strict=False))
+        result = asyncio.run(router.decide(request, router.resolve_name(request.model, strict=False)))
         out, code = dialect.render_response(result, request), 0
     except DecisionError as error:
         out, code = dialect.error_body(error), 1
@@ -195,6 +221,62 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Managed keys in the database the server uses (``--config``'s database_url, or DECISIOND_DATABASE_URL, or
+    the default SQLite file): the same code as the admin API."""
+    from datetime import datetime, timedelta, timezone
+
+    from .gateway.config import ConfigError, RateLimitConfig, check_user_path
+    from .gateway.service import DATABASE_URL_ENV
+    from .store import Database, KeyStore
+
+    try:
+        config = _load_config(args)
+    except ConfigError as error:
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    import os
+
+    url = args.database_url or (config.database_url if config else None) or os.environ.get(DATABASE_URL_ENV)
+
+    async def run() -> int:
+        db = await Database.open(url)
+        store = KeyStore(db)
+        try:
+            if args.action == "create":
+                limits = RateLimitConfig(requests_per_minute=args.rpm, requests_per_day=args.rpd,
+                                         input_tokens_per_minute=args.tpm, concurrent=args.concurrent)
+                expires = (datetime.now(timezone.utc) + timedelta(seconds=args.expires_in)
+                           if args.expires_in else None)
+                record, key = await store.create(
+                    args.name, check_user_path(args.user_path),
+                    [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
+                    limits.model_dump(exclude_none=True) or None, expires)
+                print(json.dumps({**record.public(), "key": key}, indent=2))
+                print("The key is shown once; store it now.", file=sys.stderr)
+            elif args.action == "list":
+                rows = [r.public() for r in await store.list()]
+                print(f"{'id':<18} {'name':<20} {'user_path':<20} {'status':<8} models")
+                for r in rows:
+                    print(f"{r['id']:<18} {r['name'][:20]:<20} {r['user_path'][:20]:<20} {r['status']:<8} "
+                          f"{','.join(r['models']) if r['models'] is not None else '*'}")
+            else:
+                record = await store.revoke(args.id)
+                if record is None:
+                    print(f"decisiond: no API key with id {args.id!r}", file=sys.stderr)
+                    return 1
+                print(json.dumps(record.public(), indent=2))
+            return 0
+        finally:
+            await db.aclose()
+
+    try:
+        return asyncio.run(run())
+    except ValueError as error:
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decisiond", description="Decision models from any chat LLM.")
     parser.add_argument("--version", action="version", version=f"decisiond {__version__}")
@@ -207,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     serve.add_argument("--config", default=None,
                        help="gateway YAML (providers, models, virtual models); without it, the local model alone")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve a non-loopback host although no API key is configured")
     _add_scheduling_args(serve)
     _add_quality_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -239,6 +323,25 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", default="calibration.json")
     calibrate.add_argument("--log-level", default="warning")
     calibrate.set_defaults(func=cmd_calibrate)
+
+    keys = sub.add_parser("keys", help="create, list and revoke managed API keys")
+    keys.add_argument("--config", default=None, help="the gateway YAML whose database_url to use")
+    keys.add_argument("--database-url", default=None, help="sqlite:///path or postgresql://user@host/db")
+    keys.add_argument("--log-level", default="warning")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (once)")
+    create.add_argument("--name", required=True)
+    create.add_argument("--user-path", default="/")
+    create.add_argument("--models", default=None, help="comma-separated model names or provider/* (default: all)")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    create.add_argument("--rpd", type=int, default=None, help="requests per day")
+    create.add_argument("--tpm", type=int, default=None, help="input tokens per minute")
+    create.add_argument("--concurrent", type=int, default=None, help="requests in flight")
+    create.add_argument("--expires-in", type=int, default=None, metavar="SECONDS")
+    keys_sub.add_parser("list", help="list keys (never their secrets)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("id")
+    keys.set_defaults(func=cmd_keys)
 
     bench = sub.add_parser("bench", help="measure the naive loop, decisiond in-process and over HTTP, side by side")
     bench.add_argument("--model", default="default")

@@ -1,4 +1,6 @@
-"""The HTTP server: each route reads its dialect, asks the router, and answers in the same dialect."""
+"""The HTTP server. Each decision route authenticates the caller, reads the body, picks its dialect, parses to
+the canonical form, runs the gateway pipeline and renders the answer — or the error, raised anywhere — in the
+caller's own dialect. The route table is ``ROUTES``; the admin API lives in ``admin``."""
 
 from __future__ import annotations
 
@@ -7,25 +9,35 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import __version__
+from . import __version__, admin
+from .dialects import detect
 from .dialects import openai as openai_dialect
 from .dialects import score as score_dialect
 from .dialects import sglang as sglang_dialect
 from .dialects import systemone as systemone_dialect
-from .dialects.detect import decisions_dialect, mixed_error_body
+from .dialects.base import Dialect
 from .errors import DecisionError
+from .gateway.allowlist import allowed
+from .gateway.pipeline import Caller, Context
 from .gateway.router import Router
+from .gateway.service import Gateway
 from .transport import read_payload
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "ROUTES", "DecisionRoute", "Settings", "create_app"]
 
 log = logging.getLogger("decisiond.server")
 access = logging.getLogger("decisiond.access")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+ErrorRenderer = Callable[[DecisionError, Any], tuple[int, dict[str, Any]]]
 
 
 @dataclass
@@ -33,140 +45,171 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
-@dataclass
-class Dialect:
-    """How one wire format enters and leaves: pure functions from ``decisiond.dialects``."""
+@dataclass(frozen=True)
+class DecisionRoute:
+    """A POST route: which dialect a body speaks, and how errors look before that is known."""
 
-    name: str
-    # (JSON document, multipart files) → canonical request
-    parse: Callable[[Any, dict], Any]
-    # (canonical result, canonical request) → JSON body
-    render: Callable[[Any, Any], dict]
-    # (error, JSON document or None) → (status, JSON body)
-    error: Callable[[DecisionError, Any], tuple[int, dict]]
-    # Whether an unknown model name is refused (OpenAI) or answered by the served model (System One, SGLang).
-    strict_model: bool = True
-    # "decide" (a decision request) or "score" (SGLang's /v1/score)
-    operation: str = "decide"
+    path: str
+    choose: Callable[[Any], Dialect]
+    # Errors before the dialect is known (401, an unreadable body, mixed shapes).
+    early_error: ErrorRenderer
 
 
-def _questions(document: Any) -> Any:
-    return document.get("questions") if isinstance(document, dict) else None
-
-
-OPENAI = Dialect("openai", lambda body, files: openai_dialect.parse_request(body), openai_dialect.render_response,
-                 lambda error, document: (error.status, openai_dialect.error_body(error)))
-SGLANG = Dialect("sglang", sglang_dialect.parse_request, sglang_dialect.render_response,
-                 lambda error, document: (error.status, sglang_dialect.error_body(error, _questions(document))),
-                 strict_model=False)
-SYSTEM_ONE = Dialect("system_one", systemone_dialect.parse_request, systemone_dialect.render_response,
-                     systemone_dialect.error_response, strict_model=False)
-SCORE = Dialect("sglang_score", score_dialect.parse_request, score_dialect.render_response,
-                lambda error, document: (error.status, sglang_dialect.error_body(error)), strict_model=False,
-                operation="score")
-
-
-def choose_decisions_dialect(document: Any) -> Dialect:
+def _decisions_dialect(document: Any) -> Dialect:
     """``POST /v1/decisions`` serves OpenAI's and SGLang's shapes; the body's own keys tell which (see detect)."""
-    return SGLANG if decisions_dialect(document) == "sglang" else OPENAI
+    return sglang_dialect.DIALECT if detect.decisions_dialect(document) == "sglang" else openai_dialect.DIALECT
+
+
+ROUTES = (
+    DecisionRoute("/v1/decisions", _decisions_dialect, detect.render_error),
+    DecisionRoute("/v1/systemone", lambda document: systemone_dialect.DIALECT, systemone_dialect.render_error),
+    DecisionRoute("/v1/score", lambda document: score_dialect.DIALECT, sglang_dialect.render_error),
+)
+
+INTERNAL_ERROR = DecisionError("Internal server error.", code="internal_error", status=500, type="server_error")
 
 
 def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex
 
 
-def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
+class RequestContext:
+    """Pure-ASGI middleware: a request id on every response (``x-request-id``, ``x-typesafe-request-id``), one JSON
+    access line per request, and a last-resort 500 that never carries a traceback."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        fields: dict[str, Any] = {}
+        state = scope.setdefault("state", {})
+        state["request_id"], state["log"] = request_id, fields
+        start = time.perf_counter()
+        started = False
+
+        def log_access(status: int) -> None:
+            access.info("%s %s %d", scope["method"], scope["path"], status, extra={
+                "request_id": request_id, "method": scope["method"], "path": scope["path"], "status": status,
+                "duration_ms": round((time.perf_counter() - start) * 1000, 2), **fields})
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = MutableHeaders(scope=message)
+                headers["x-request-id"] = request_id
+                headers["x-typesafe-request-id"] = request_id
+                # Logged as the response starts, so that a client that has its answer finds the line written.
+                log_access(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:  # a bug: never leak a traceback to the client
+            log.exception("unhandled error", extra={"request_id": request_id})
+            if not started:
+                _, body = detect.render_error(INTERNAL_ERROR)
+                await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
+
+
+def _error_response(rendered: tuple[int, dict[str, Any]], *header_sets: dict[str, str]) -> JSONResponse:
+    status, body = rendered
+    headers = {k: v for h in header_sets for k, v in h.items()}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+async def _caller(request: Request) -> Caller:
+    gateway: Gateway = request.app.state.gateway
+    caller = await gateway.auth.authenticate(request.headers)
+    fields = request.state.log
+    if caller.key_id is not None:
+        fields["key_id"] = caller.key_id
+    fields["user_path"] = caller.user_path
+    return caller
+
+
+async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
+    """Authenticate, read, pick the dialect, parse, run the pipeline, render — errors in the caller's dialect."""
+    gateway: Gateway = request.app.state.gateway
+    settings: Settings = request.app.state.settings
+    fields = request.state.log
+    try:
+        caller = await _caller(request)
+        payload = await read_payload(request, settings.max_body_bytes)
+        if payload.content_encoding != "identity" or payload.multipart:
+            fields.update(content_encoding=payload.content_encoding, multipart=payload.multipart)
+        dialect = route.choose(payload.document)
+    except DecisionError as error:
+        fields["error_code"] = error.code
+        return _error_response(route.early_error(error, None), error.headers)
+    document = payload.document
+    fields["dialect"] = dialect.name
+    context = Context(request.state.request_id, dialect.operation, dialect.name, caller,
+                      strict_model=dialect.strict_model)
+    try:
+        parsed = dialect.parse(document, payload.files)
+        fields["model"] = parsed.model
+        if dialect.operation == "score":
+            fields["items"] = len(parsed.prompts)
+        else:
+            fields["questions"] = len(parsed.questions)
+        result = await gateway.pipeline.run(context, parsed)
+        headers = dict(context.response_headers)
+        fields["resolved_model"] = context.resolved_model
+        if dialect.operation == "score":
+            fields["input_tokens"] = result.prompt_tokens
+        else:
+            fields.update(served_model=result.model, input_tokens=result.usage.input_tokens,
+                          provider_format=result.provider_format)
+            headers["x-decisiond-provider-format"] = result.provider_format
+        return JSONResponse(dialect.render(result, parsed), headers=headers)
+    except DecisionError as error:
+        fields.update(error_code=error.code, outcomes=context.outcomes or None)
+        return _error_response(dialect.render_error(error, document), context.response_headers, error.headers)
+    except Exception:  # a bug: answered in the caller's dialect, never with a traceback
+        log.exception("unhandled error", extra={"request_id": context.request_id})
+        fields["error_code"] = INTERNAL_ERROR.code
+        return _error_response(dialect.render_error(INTERNAL_ERROR, document))
+
+
+def _endpoint(route: DecisionRoute) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> JSONResponse:
+        return await serve(request, route)
+
+    return endpoint
+
+
+def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
+    gateway = gateway or Gateway(router)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        await router.aclose()  # upstream connection pools
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.aclose()  # upstream connection pools, Redis, the database
 
     app = FastAPI(title="decisiond", version=__version__, lifespan=lifespan)
     app.state.router = router
-    app.state.settings = settings
+    app.state.gateway = gateway
+    app.state.settings = settings or Settings()
+    app.add_middleware(RequestContext)
 
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        request.state.request_id = new_request_id()
-        request.state.log = {}
-        start = time.perf_counter()
-        try:
-            response = await call_next(request)
-        except Exception:  # a bug: never leak a traceback to the client
-            log.exception("unhandled error", extra={"request_id": request.state.request_id})
-            response = JSONResponse(
-                {"error": {"message": "Internal server error.", "type": "server_error", "param": None, "code": None}},
-                status_code=500,
-            )
-        response.headers["x-request-id"] = request.state.request_id
-        response.headers["x-typesafe-request-id"] = request.state.request_id
-        access.info(
-            "%s %s %d",
-            request.method,
-            request.url.path,
-            response.status_code,
-            extra={
-                "request_id": request.state.request_id,
-                "method": request.method,
-                "path": request.url.path,
-                "status": response.status_code,
-                "duration_ms": round((time.perf_counter() - start) * 1000, 2),
-                **request.state.log,
-            },
-        )
-        return response
-
-    async def serve(request: Request, choose: Callable[[Any], Dialect], fallback: Dialect) -> JSONResponse:
-        """Read the body, pick the dialect, parse, ask the router, render — errors in the caller's dialect."""
-        state = request.state.log
-        dialect, document = fallback, None
-        try:
-            payload = await read_payload(request, settings.max_body_bytes)
-            document = payload.document
-            if payload.content_encoding != "identity" or payload.multipart:
-                state.update(content_encoding=payload.content_encoding, multipart=payload.multipart)
-            try:
-                dialect = choose(document)
-            except DecisionError as error:
-                state.update(error_code=error.code)
-                return JSONResponse(mixed_error_body(error), status_code=error.status)
-            state["dialect"] = dialect.name
-            parsed = dialect.parse(document, payload.files)
-            state["model"] = parsed.model
-            headers = {}
-            if dialect.operation == "score":
-                state["items"] = len(parsed.prompts)
-                result = await router.score(parsed)
-                state["input_tokens"] = result.prompt_tokens
-            else:
-                state["questions"] = len(parsed.questions)
-                result = await router.decide(parsed, strict=dialect.strict_model)
-                state.update(served_model=result.model, input_tokens=result.usage.input_tokens,
-                             provider_format=result.provider_format)
-                headers["x-decisiond-provider-format"] = result.provider_format
-            return JSONResponse(dialect.render(result, parsed), headers=headers)
-        except DecisionError as error:
-            state.update(error_code=error.code)
-            status, body = dialect.error(error, document)
-            return JSONResponse(body, status_code=status, headers=error.headers or None)
-
-    @app.post("/v1/decisions")
-    async def decisions(request: Request):
-        return await serve(request, choose_decisions_dialect, OPENAI)
-
-    @app.post("/v1/systemone")
-    async def systemone(request: Request):
-        return await serve(request, lambda document: SYSTEM_ONE, SYSTEM_ONE)
-
-    @app.post("/v1/score")
-    async def score(request: Request):
-        return await serve(request, lambda document: SCORE, SCORE)
+    for route in ROUTES:
+        app.add_api_route(route.path, _endpoint(route), methods=["POST"], name=route.path.rsplit("/", 1)[-1])
 
     @app.get("/v1/models")
-    async def models(request: Request, capability: str | None = None):
-        listed = router.model_list(capability)
+    async def models(request: Request, capability: str | None = None) -> Any:
+        try:
+            caller = await _caller(request)
+        except DecisionError as error:
+            return _error_response(openai_dialect.render_error(error), error.headers)
+        listed = [m for m in router.model_list(capability) if allowed(router, caller, m.name)]
         if request.headers.get("x-typesafe-sdk"):
             # The TypeSafe SDK reads {"models": [{name, description, release_date}]}: decision models only.
             return systemone_dialect.models_body([m for m in listed if "decisions" in m.capabilities])
@@ -180,7 +223,8 @@ def create_app(router: Router, settings: Settings | None = None) -> FastAPI:
         }
 
     @app.get("/health")
-    async def health():
+    async def health() -> dict[str, Any]:
         return {"status": "ok", "models": [m.name for m in router.model_list()], "version": __version__}
 
+    app.include_router(admin.router)
     return app

@@ -43,13 +43,15 @@ def decisions_dialect(document: Any) -> str:
     return "sglang" if sglang else "openai"
 
 
-def mixed_error_body(error: DecisionError) -> dict[str, Any]:
-    """Readable by both kinds of client: OpenAI's SDK reads ``error``, SGLang clients the top-level fields."""
-    return {
-        "error": {"message": error.message, "type": "invalid_request_error", "param": None, "code": error.code},
+def render_error(error: DecisionError, document: Any = None) -> tuple[int, dict[str, Any]]:
+    """Errors on ``/v1/decisions`` before its dialect is known (a 401, mixed shapes), readable by both kinds of
+    client: OpenAI's SDK reads ``error``, SGLang clients the top-level ``ErrorResponse`` fields."""
+    kind = "BadRequestError" if error.status == 400 else error.type
+    return error.status, {
+        "error": {"message": error.message, "type": error.type, "param": None, "code": error.code},
         "object": "error",
         "message": error.message,
-        "type": "BadRequestError",
+        "type": kind,
         "param": None,
-        "code": 400,
+        "code": error.status,
     }

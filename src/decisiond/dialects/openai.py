@@ -35,6 +35,7 @@ from ..canonical import (
 from ..text import render_text
 from ..errors import DecisionError, invalid, openai_param
 from .. import probability
+from .base import WireDialect
 from .common import StrictModel, check_json_limits, validate_body
 
 MAX_QUESTIONS = 400
@@ -251,7 +252,7 @@ EXTENSION_FIELDS = ("temperature", "chat_template_kwargs", "prompt_format_versio
 # ------------------------------------------------------------------------------------ parse request
 
 
-def parse_request(body: Any) -> DecisionRequest:
+def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(DecisionBody, body)
     items = _input(parsed.input)
     questions = tuple(_question(q, i) for i, q in enumerate(parsed.questions))
@@ -610,3 +611,10 @@ def error_body(error: DecisionError, document: Any = None) -> dict[str, Any]:
             "code": error.code,
         }
     }
+
+
+def render_error(error: DecisionError, document: Any = None) -> tuple[int, dict[str, Any]]:
+    return error.status, error_body(error)
+
+
+DIALECT = WireDialect("openai", parse_request, render_response, render_error)

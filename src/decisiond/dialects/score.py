@@ -15,7 +15,8 @@ from typing import Any, Union
 from ..canonical import ScoreRequest, ScoreResult
 from ..errors import invalid
 from .common import StrictModel, validate_body
-from .sglang import DEFAULT_MODEL
+from .base import WireDialect
+from .sglang import DEFAULT_MODEL, render_error
 
 MAX_ITEMS = 1024
 
@@ -31,7 +32,7 @@ class ScoreBody(StrictModel):
     model: str | None = None
 
 
-def parse_request(body: Any, files: dict | None = None) -> ScoreRequest:
+def parse_request(body: Any, files: Any = None) -> ScoreRequest:
     parsed = validate_body(ScoreBody, body)
     if not (math.isfinite(parsed.temperature) and parsed.temperature > 0):
         raise invalid("temperature must be a finite number above 0", "temperature")
@@ -81,3 +82,7 @@ def render_response(result: ScoreResult, request: ScoreRequest) -> dict[str, Any
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": 0, "total_tokens": result.prompt_tokens},
         "object": "scoring",
     }
+
+
+DIALECT = WireDialect("sglang_score", parse_request, render_response, render_error, strict_model=False,
+                      operation="score")

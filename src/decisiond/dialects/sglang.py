@@ -19,6 +19,7 @@ from .. import probability
 from ..canonical import Answer, DecisionRequest, DecisionResult, Json, Level, Message, Option, Part, Question, Text
 from ..errors import DecisionError, invalid, openai_param, refused
 from ..text import is_blank
+from .base import WireDialect
 from .common import StrictModel, validate_body
 
 MAX_OPTIONS = 26
@@ -94,7 +95,7 @@ DEFAULT_MODEL = "default"
 # ------------------------------------------------------------------------------------ parse request
 
 
-def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
+def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(SGLangBody, body)
     if parsed.model and ":" in parsed.model:
         adapter = parsed.model.split(":", 1)[1]
@@ -202,3 +203,11 @@ def error_body(error: DecisionError, questions: Any = None) -> dict[str, Any]:
         message = f"{where(error.path, questions)}: {message}"
     return {"object": "error", "message": message, "type": "BadRequestError" if error.status == 400 else error.type,
             "param": openai_param(error.path), "code": error.status}
+
+
+def render_error(error: DecisionError, document: Any = None) -> tuple[int, dict[str, Any]]:
+    questions = document.get("questions") if isinstance(document, dict) else None
+    return error.status, error_body(error, questions)
+
+
+DIALECT = WireDialect("sglang", parse_request, render_response, render_error, strict_model=False)

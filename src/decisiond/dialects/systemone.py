@@ -34,6 +34,7 @@ from ..canonical import (
 )
 from ..text import is_blank, render_input, render_part, render_text
 from ..errors import DecisionError, invalid, refused
+from .base import WireDialect
 from .common import StrictModel, validate_body
 
 MAX_CHOICES = 255
@@ -118,7 +119,7 @@ class SystemOneBody(StrictModel):
 # ------------------------------------------------------------------------------------ parse request
 
 
-def parse_request(body: Any, files: dict | None = None) -> DecisionRequest:
+def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(SystemOneBody, body, code="model_attributes_type")
     if ":" in parsed.model:
         raise refused(f"model {parsed.model!r} names a LoRA adapter after a colon, which is not supported", "model")
@@ -254,7 +255,7 @@ def _legend(level: Level) -> Any:
 # ------------------------------------------------------------------------------------------- errors
 
 
-def error_response(error: DecisionError, document: Any = None) -> tuple[int, dict[str, Any]]:
+def render_error(error: DecisionError, document: Any = None) -> tuple[int, dict[str, Any]]:
     """422 FastAPI ``detail`` list for invalid requests; the error's own status and an error object otherwise."""
     if error.validation and error.status == 400:
         if error.details:
@@ -266,6 +267,9 @@ def error_response(error: DecisionError, document: Any = None) -> tuple[int, dic
     if error.path:
         body["error"]["loc"] = ["body", *error.path]
     return error.status, body
+
+
+DIALECT = WireDialect("system_one", parse_request, render_response, render_error, strict_model=False)
 
 
 def models_body(models: list) -> dict[str, Any]:

@@ -52,6 +52,34 @@ class Limits(BaseModel):
     max_question_tokens: int | None = None
 
 
+USER_PATH = re.compile(r"^/([A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*)?$")
+MAX_USER_PATH = 256
+
+
+def check_user_path(value: str) -> str:
+    """A user path: ``/`` or ``/team/alpha`` (segments of letters, digits and ``._~-``), at most 256 characters."""
+    if len(value) > MAX_USER_PATH or not USER_PATH.match(value):
+        raise ValueError(f"user path {value[:40]!r} must look like /team/alpha: segments of letters, digits and "
+                         f"'._~-' after '/', at most {MAX_USER_PATH} characters")
+    return value
+
+
+class RateLimitConfig(BaseModel):
+    """Limits on one scope (a key, a user-path subtree, a model or a provider); None means no limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_second: int | None = Field(default=None, ge=1)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    requests_per_hour: int | None = Field(default=None, ge=1)
+    requests_per_day: int | None = Field(default=None, ge=1)
+    input_tokens_per_minute: int | None = Field(default=None, ge=1)
+    concurrent: int | None = Field(default=None, ge=1)
+
+    def empty(self) -> bool:
+        return all(v is None for v in self.model_dump().values())
+
+
 class ProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -71,6 +99,7 @@ class ProviderConfig(BaseModel):
     # Whether the provider reads images; by default OpenAI and Azure do, TypeSafe's hosted API does, others do not.
     images: bool | None = None
     limits: Limits | None = None
+    rate_limits: RateLimitConfig | None = None
     headers: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -101,6 +130,7 @@ class ModelConfig(BaseModel):
     capabilities: list[str] = Field(default_factory=lambda: ["decisions"])
     images: bool | None = None
     description: str = ""
+    rate_limits: RateLimitConfig | None = None
 
 
 class VirtualModelConfig(BaseModel):
@@ -117,9 +147,55 @@ class VirtualModelConfig(BaseModel):
         return self
 
 
+class StaticKeyConfig(BaseModel):
+    """A key listed in the YAML: its secret from the environment (``key: ${ENV}``) or its SHA-256
+    (``key_sha256: <hex>``), never stored in clear past start-up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    key: str | None = Field(default=None, min_length=16, repr=False)
+    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    user_path: str = "/"
+    models: list[str] | None = None
+    rate_limits: RateLimitConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> "StaticKeyConfig":
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError(f"key {self.name!r} needs exactly one of key (e.g. ${{ENV}}) or key_sha256")
+        check_user_path(self.user_path)
+        return self
+
+
+class AuthConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # The master key; DECISIOND_MASTER_KEY is used when this is not set.
+    master_key: str | None = Field(default=None, min_length=16, repr=False)
+    keys: list[StaticKeyConfig] = Field(default_factory=list)
+
+
+class UserPathLimit(RateLimitConfig):
+    """Limits shared by every caller whose user path is ``user_path`` or below it."""
+
+    user_path: str
+
+    @model_validator(mode="after")
+    def _path(self) -> "UserPathLimit":
+        check_user_path(self.user_path)
+        return self
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    # Where managed keys (and, later, usage and budgets) live: a SQLite file by default, PostgreSQL to share it.
+    database_url: str | None = None
+    # Shared rate-limit counters for several replicas; in-process memory when unset.
+    redis_url: str | None = None
+    rate_limits: list[UserPathLimit] = Field(default_factory=list)
     providers: list[ProviderConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)

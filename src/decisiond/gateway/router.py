@@ -14,9 +14,11 @@ tries them in order:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, AsyncContextManager, Callable
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..engine.local import LocalEngine
@@ -30,6 +32,15 @@ from .providers.local import LocalProvider
 log = logging.getLogger("decisiond.gateway")
 
 DEFAULT_ALIAS = "default"
+
+# Admission for one attempt on a target (its model and provider rate limits): an async context manager that
+# raises a failover-able UpstreamError when the target is at its limit, and yields something with
+# ``settle(input_tokens)`` or None.
+Gate = Callable[["Target"], AsyncContextManager[Any]]
+
+
+def _open_gate(target: "Target") -> AsyncContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -133,6 +144,10 @@ class Router:
             return Target(name, p, upstream)
         return None
 
+    def known_target(self, name: str) -> Target | None:
+        """The concrete target a (non-virtual) model name stands for."""
+        return self._target(name)
+
     def known(self, name: str | None) -> bool:
         return name is not None and (name in self.virtual or self._target(name) is not None)
 
@@ -145,6 +160,8 @@ class Router:
 
     def resolve_name(self, name: str | None, strict: bool) -> str:
         """The model name to route. Lenient dialects (System One, SGLang) send unknown names to the default."""
+        if name == DEFAULT_ALIAS and name not in self.models and name not in self.virtual and self.default_model:
+            return self.default_model
         if name is not None and self.known(name):
             return name
         if not strict and self.default_model:
@@ -155,8 +172,8 @@ class Router:
 
     # -------------------------------------------------------------------------------- answering
 
-    async def decide(self, request: DecisionRequest, strict: bool = True) -> DecisionResult:
-        name = self.resolve_name(request.model, strict)
+    async def decide(self, request: DecisionRequest, name: str, gate: Gate = _open_gate) -> DecisionResult:
+        """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for."""
         limits.check_openai(request)
         skipped: list[DecisionError] = []
         failure: UpstreamError | None = None
@@ -168,7 +185,10 @@ class Router:
                 skipped.append(reason)
                 continue
             try:
-                result = await target.provider.decide(request, target.upstream)
+                async with gate(target) as admission:
+                    result = await target.provider.decide(request, target.upstream)
+                    if admission is not None:
+                        await admission.settle(result.usage.input_tokens)
             except UpstreamError as error:
                 log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
                                                      "failover": error.failover, "reason": error.message})
@@ -186,16 +206,27 @@ class Router:
             f"no target of {name!r} can answer this request: " + "; ".join(s.message for s in skipped),
             skipped[0].path, code=skipped[0].code)
 
-    def local_engine(self, name: str | None) -> LocalEngine:
+    def local_target(self, name: str | None) -> Target:
         chosen = self.resolve_name(name, strict=False)
         for target in self.chain(chosen):
             if isinstance(target.provider, LocalProvider):
-                return target.provider.engine
+                return target
         raise DecisionError(f"model {chosen!r} is not a local model; /v1/score needs one", ("model",),
                             code="model_not_supported")
 
-    async def score(self, request: ScoreRequest) -> ScoreResult:
-        return await self.local_engine(request.model).score_async(request)
+    def local_engine(self, name: str | None) -> LocalEngine:
+        provider = self.local_target(name).provider
+        assert isinstance(provider, LocalProvider)
+        return provider.engine
+
+    async def score(self, request: ScoreRequest, name: str | None = None, gate: Gate = _open_gate) -> ScoreResult:
+        target = self.local_target(name if name is not None else request.model)
+        assert isinstance(target.provider, LocalProvider)
+        async with gate(target) as admission:
+            result = await target.provider.engine.score_async(request)
+            if admission is not None:
+                await admission.settle(result.prompt_tokens)
+        return result
 
     # ------------------------------------------------------------------------------------ listing
 

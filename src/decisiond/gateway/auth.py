@@ -1,0 +1,135 @@
+"""Who is calling: ``Authorization: Bearer <key>`` checked against the master key, the keys listed in the YAML
+and the managed keys in the database. Runs before the body is read; every route but ``/health`` needs a key
+once any key is configured. No key, a wrong, revoked or expired one → 401 in the route's dialect.
+
+A caller's user path is its key's; the master key (or anyone, when no key is configured) may name one with
+``X-Decisiond-User-Path``, and a key may narrow its own path to a sub-path (``/team/alpha`` → ``/team/alpha/bob``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from ..errors import DecisionError
+from ..store.keys import KeyRecord, KeyStore
+from .config import RateLimitConfig, StaticKeyConfig, check_user_path
+from .pipeline import Caller
+
+__all__ = ["USER_PATH_HEADER", "Authenticator", "bearer", "in_subtree"]
+
+USER_PATH_HEADER = "x-decisiond-user-path"
+# Verified managed keys are remembered this long (a revocation on another replica is seen within it).
+CACHE_SECONDS = 5.0
+CACHE_ENTRIES = 10_000
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("authorization")
+    if not value:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def in_subtree(path: str, root: str) -> bool:
+    """``/team/alpha/bob`` is in ``/team/alpha`` and in ``/``; ``/team/alphabet`` is not in ``/team/alpha``."""
+    root = root.rstrip("/")
+    return path == root or path.startswith(root + "/") or root == ""
+
+
+def unauthorized(message: str) -> DecisionError:
+    return DecisionError(message, code="invalid_api_key", status=401, type="authentication_error",
+                         headers={"www-authenticate": "Bearer"})
+
+
+def forbidden(message: str, *path: str, code: str) -> DecisionError:
+    return DecisionError(message, tuple(path), code=code, status=403, type="permission_error")
+
+
+class Authenticator:
+    def __init__(self, master_key: str | None = None, static_keys: list[StaticKeyConfig] | None = None,
+                 store: KeyStore | None = None):
+        # Only digests are kept: the master key and static keys are not held in clear past start-up.
+        self._master = _sha256(master_key) if master_key else None
+        self._static = {(k.key_sha256 or _sha256(k.key or "")): k for k in static_keys or []}
+        self.store = store
+        self._cache: OrderedDict[str, tuple[float, KeyRecord | None]] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        """Keys are required once a master key or any static key is configured."""
+        return self._master is not None or bool(self._static)
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Caller:
+        caller = await self._caller(headers)
+        return self._with_user_path(caller, headers.get(USER_PATH_HEADER))
+
+    async def _caller(self, headers: Mapping[str, str]) -> Caller:
+        key = bearer(headers)
+        if not self.enabled:
+            return Caller(master=False)
+        if key is None:
+            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        digest = _sha256(key)
+        if self._master is not None and hmac.compare_digest(digest, self._master):
+            return Caller(key_id=None, name="master", master=True)
+        static = self._static.get(digest)
+        if static is not None:
+            return Caller(key_id=f"static:{static.name}", name=static.name, user_path=static.user_path,
+                          models=tuple(static.models) if static.models is not None else None,
+                          rate_limits=static.rate_limits)
+        record = await self._managed(key, digest)
+        if record is None:
+            raise unauthorized("Invalid API key.")
+        status = record.status()
+        if status == "revoked":
+            raise unauthorized(f"API key {record.id} has been revoked.")
+        if status == "expired":
+            raise unauthorized(f"API key {record.id} expired at {record.expires_at:%Y-%m-%dT%H:%M:%SZ}.")
+        return Caller(key_id=record.id, name=record.name, user_path=record.user_path,
+                      models=tuple(record.models) if record.models is not None else None,
+                      rate_limits=RateLimitConfig.model_validate(record.rate_limits) if record.rate_limits else None)
+
+    async def _managed(self, key: str, digest: str) -> KeyRecord | None:
+        if self.store is None:
+            return None
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        record = await self.store.verify(key)
+        self._cache[digest] = (now + CACHE_SECONDS, record)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return record
+
+    def forget(self) -> None:
+        """Drop remembered keys (after a revocation here)."""
+        self._cache.clear()
+
+    @staticmethod
+    def _with_user_path(caller: Caller, asked: str | None) -> Caller:
+        if asked is None:
+            return caller
+        try:
+            check_user_path(asked)
+        except ValueError as e:
+            raise DecisionError(str(e), code="invalid_user_path", status=400) from None
+        if not (caller.master or caller.key_id is None) and not in_subtree(asked, caller.user_path):
+            raise forbidden(f"this key is bound to user path {caller.user_path!r} and may only name paths below it",
+                            code="user_path_not_allowed")
+        return Caller(caller.key_id, caller.name, asked, caller.models, caller.rate_limits, caller.master)
+
+    @staticmethod
+    def require_master(caller: Caller) -> None:
+        if not caller.master:
+            raise forbidden("This route needs the master key.", code="master_key_required")

@@ -1,0 +1,132 @@
+"""The gateway's spine: every decision and score request, whatever its route and dialect, runs through one
+ordered chain of small stages between parsing and rendering.
+
+    resolve model → allowlist → rate limits → (budgets, guardrails, cache: later stages) → route (failover)
+
+Each stage is an async callable ``stage(context, request, call_next) -> result``: it may look at or change the
+context, refuse by raising a ``DecisionError`` (which the server renders in the caller's dialect), or wrap the
+rest of the chain (reserve before, settle after). A new stage is one module plus one line in ``build``::
+
+    class Stamp:
+        name = "stamp"
+
+        async def __call__(self, context, request, call_next):
+            context.response_headers["x-stamp"] = "1"
+            return await call_next(context, request)
+
+The caller (key id, user path, allowed models, limits) is established before the body is read, by
+``gateway.auth``: an unauthenticated client never makes the server read, decompress or parse its body.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Literal, Protocol, Union
+
+from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
+
+__all__ = ["Caller", "Context", "Next", "Pipeline", "Stage"]
+
+Operation = Literal["decide", "score"]
+Request = Union[DecisionRequest, ScoreRequest]
+Result = Union[DecisionResult, ScoreResult]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the master key, a managed or static key, or anyone (no keys configured)."""
+
+    key_id: str | None = None
+    name: str = "anonymous"
+    user_path: str = "/"
+    # Model patterns the key may use (names, ``provider/*``, virtual models); None means every model.
+    models: tuple[str, ...] | None = None
+    # The key's own rate limits (a RateLimitConfig), if any.
+    rate_limits: Any = None
+    master: bool = False
+
+
+@dataclass
+class Context:
+    """What the stages know of one request besides the canonical request itself."""
+
+    request_id: str
+    operation: Operation
+    dialect: str
+    caller: Caller = field(default_factory=Caller)
+    # Unknown model names: refused (OpenAI) or answered by the default model (System One, SGLang).
+    strict_model: bool = True
+    requested_model: str | None = None
+    resolved_model: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    # Stage name → seconds spent in it and everything after it.
+    timings: dict[str, float] = field(default_factory=dict)
+    # Stage name → what it decided ("ok", "refused: rate_limit_exceeded", …), for the access log and audit.
+    outcomes: dict[str, str] = field(default_factory=dict)
+    # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
+    response_headers: dict[str, str] = field(default_factory=dict)
+
+
+Next = Callable[[Context, Any], Awaitable[Any]]
+
+
+class Stage(Protocol):
+    name: str
+
+    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any: ...
+
+
+class Pipeline:
+    """Stages in order, then the terminal handler (the router)."""
+
+    def __init__(self, stages: list[Stage], terminal: Next):
+        self.stages = stages
+        # Build the chain once: each link calls its stage with the next link; the router is the last link.
+        chain: Next = _link(_Terminal(terminal), _unreachable)
+        for stage in reversed(stages):
+            chain = _link(stage, chain)
+        self._chain = chain
+
+    async def run(self, context: Context, request: Request) -> Result:
+        context.requested_model = request.model
+        result: Result = await self._chain(context, request)
+        return result
+
+
+class _Terminal:
+    name = "route"
+
+    def __init__(self, handler: Next):
+        self.handler = handler
+
+    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
+        return await self.handler(context, request)
+
+
+async def _unreachable(context: Context, request: Any) -> Any:
+    raise AssertionError("the terminal stage has no next stage")
+
+
+def _link(stage: Stage, call_next: Next) -> Next:
+    async def link(context: Context, request: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            result = await stage(context, request, call_next)
+        except Exception as error:
+            # The innermost stage an error passes through is the one that raised it.
+            if not hasattr(error, "stage"):
+                try:
+                    error.stage = stage.name  # type: ignore[attr-defined]
+                except AttributeError:
+                    pass
+            raised_here = getattr(error, "stage", stage.name) == stage.name
+            context.outcomes[stage.name] = f"refused: {getattr(error, 'code', type(error).__name__)}" \
+                if raised_here else "ok"
+            raise
+        finally:
+            context.timings[stage.name] = round(time.perf_counter() - start, 6)
+        context.outcomes.setdefault(stage.name, "ok")
+        return result
+
+    return link

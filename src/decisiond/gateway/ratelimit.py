@@ -1,0 +1,332 @@
+"""Rate limits per key, per user-path subtree, per model and per provider, on the ``limits`` library's moving
+window (in-process memory, or Redis so that replicas share one set of counters), plus concurrent-request caps.
+
+Requests per second/minute/hour/day and input tokens per minute. Tokens are estimated before the call (4
+characters a token, as ``gateway.limits`` estimates them) and reserved with the request; after the call, what the
+provider really counted above the estimate is added, so concurrent requests cannot overshoot a window.
+
+Key and user-path limits are checked by the pipeline stage (before guardrails, so an over-limit request costs
+nothing downstream). Model and provider limits are checked by the router for each target it tries: a target at its
+limit is unavailable, and a failover chain routes around it as on a 429 from upstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from limits import RateLimitItem, RateLimitItemPerDay, RateLimitItemPerHour, RateLimitItemPerMinute
+from limits import RateLimitItemPerSecond
+from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.strategies import MovingWindowRateLimiter
+
+from ..canonical import DecisionRequest, ScoreRequest
+from ..errors import DecisionError, UpstreamError, upstream_error
+from . import limits as request_limits
+from .auth import in_subtree
+from .config import RateLimitConfig, UserPathLimit
+from .pipeline import Caller, Context, Next
+
+__all__ = ["Admission", "RateLimitStage", "RateLimiter", "Scope", "rate_limited"]
+
+log = logging.getLogger("decisiond.ratelimit")
+
+_WINDOWS: dict[str, type[RateLimitItem]] = {
+    "requests_per_second": RateLimitItemPerSecond,
+    "requests_per_minute": RateLimitItemPerMinute,
+    "requests_per_hour": RateLimitItemPerHour,
+    "requests_per_day": RateLimitItemPerDay,
+}
+# A replica that dies holding a concurrency slot frees it after this long.
+CONCURRENCY_TTL_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a set of limits applies to: ``key``/id, ``user_path``/path, ``model``/name, ``provider``/name."""
+
+    kind: str
+    id: str
+    config: RateLimitConfig
+
+    def describe(self) -> str:
+        return {"key": "API key", "user_path": "user path", "model": "model", "provider": "provider"}[self.kind] + \
+            f" {self.id!r}"
+
+
+@dataclass(frozen=True)
+class _Check:
+    scope: Scope
+    setting: str  # e.g. requests_per_minute
+    item: RateLimitItem
+
+    @property
+    def tokens(self) -> bool:
+        return self.setting == "input_tokens_per_minute"
+
+    @property
+    def identifiers(self) -> tuple[str, ...]:
+        return ("decisiond", self.scope.kind, self.scope.id, "tokens" if self.tokens else "requests")
+
+
+def _checks(scopes: list[Scope]) -> list[_Check]:
+    out = []
+    for scope in scopes:
+        for setting, window in _WINDOWS.items():
+            amount = getattr(scope.config, setting)
+            if amount is not None:
+                out.append(_Check(scope, setting, window(amount)))
+        if scope.config.input_tokens_per_minute is not None:
+            out.append(_Check(scope, "input_tokens_per_minute",
+                              RateLimitItemPerMinute(scope.config.input_tokens_per_minute)))
+    return out
+
+
+def rate_limited(message: str, retry_after_s: float, headers: dict[str, str] | None = None) -> DecisionError:
+    """429 with the retry headers both SDKs honour (``retry-after-ms`` first, then ``Retry-After``)."""
+    retry_after_s = max(retry_after_s, 0.001)
+    return DecisionError(message, code="rate_limit_exceeded", status=429, type="rate_limit_error",
+                         headers={**(headers or {}), "retry-after": str(max(1, math.ceil(retry_after_s))),
+                                  "retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000)))})
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
+
+
+@dataclass
+class Admission:
+    """What one request holds: its token reservations and concurrency slots, released when it ends."""
+
+    limiter: "RateLimiter"
+    checks: list[_Check] = field(default_factory=list)
+    estimate: int = 0
+    slots: list[Scope] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    async def settle(self, actual_tokens: int) -> None:
+        """Count the tokens the provider reported above the estimate (never more than the window still holds)."""
+        extra = actual_tokens - self.estimate
+        if extra <= 0:
+            return
+        for check in self.checks:
+            if check.tokens:
+                await self.limiter.top_up(check, extra)
+
+    async def release(self) -> None:
+        for scope in self.slots:
+            await self.limiter.concurrency.release(scope)
+        self.slots = []
+
+
+class _Concurrency:
+    """Requests in flight per scope: a counter in memory, or a Redis counter shared by replicas."""
+
+    def __init__(self, redis: Any = None):
+        self.redis = redis
+        self.local: dict[str, int] = {}
+
+    @staticmethod
+    def _key(scope: Scope) -> str:
+        return f"decisiond:concurrent:{scope.kind}:{scope.id}"
+
+    async def acquire(self, scope: Scope, limit: int) -> bool:
+        key = self._key(scope)
+        if self.redis is None:
+            if self.local.get(key, 0) >= limit:
+                return False
+            self.local[key] = self.local.get(key, 0) + 1
+            return True
+        count = await self.redis.incr(key)
+        await self.redis.expire(key, CONCURRENCY_TTL_SECONDS)
+        if count > limit:
+            await self.redis.decr(key)
+            return False
+        return True
+
+    async def release(self, scope: Scope) -> None:
+        key = self._key(scope)
+        if self.redis is None:
+            self.local[key] = max(0, self.local.get(key, 0) - 1)
+        else:
+            await self.redis.decr(key)
+
+    async def aclose(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+class RateLimiter:
+    def __init__(self, redis_url: str | None = None, user_paths: list[UserPathLimit] | None = None,
+                 models: dict[str, RateLimitConfig] | None = None,
+                 providers: dict[str, RateLimitConfig] | None = None):
+        self.user_paths = [u for u in user_paths or [] if not u.empty()]
+        self.models = {k: v for k, v in (models or {}).items() if not v.empty()}
+        self.providers = {k: v for k, v in (providers or {}).items() if not v.empty()}
+        self.storage: Storage
+        if redis_url:
+            import redis.asyncio
+
+            uri = "async+" + redis_url if not redis_url.startswith("async+") else redis_url
+            self.storage = RedisStorage(uri, implementation="redispy")
+            self.concurrency = _Concurrency(redis.asyncio.Redis.from_url(redis_url.removeprefix("async+")))
+        else:
+            self.storage = MemoryStorage()
+            self.concurrency = _Concurrency()
+        self.window = MovingWindowRateLimiter(self.storage)
+
+    # ------------------------------------------------------------------------------------------ scopes
+
+    def caller_scopes(self, caller: Caller) -> list[Scope]:
+        scopes = []
+        if caller.key_id is not None and caller.rate_limits is not None and not caller.rate_limits.empty():
+            scopes.append(Scope("key", caller.key_id, caller.rate_limits))
+        scopes += [Scope("user_path", u.user_path, u) for u in self.user_paths if in_subtree(caller.user_path,
+                                                                                            u.user_path)]
+        return scopes
+
+    def target_scopes(self, model: str, provider: str) -> list[Scope]:
+        scopes = []
+        if model in self.models:
+            scopes.append(Scope("model", model, self.models[model]))
+        if provider in self.providers:
+            scopes.append(Scope("provider", provider, self.providers[provider]))
+        return scopes
+
+    # ------------------------------------------------------------------------------------------ admission
+
+    async def admit(self, scopes: list[Scope], tokens: int) -> Admission:
+        """Reserve one request and ``tokens`` input tokens in every scope, or raise 429 naming the limit."""
+        admission = Admission(self, _checks(scopes), tokens)
+        if not scopes:
+            return admission
+        for check in admission.checks:
+            cost = tokens if check.tokens else 1
+            if check.tokens and cost > check.item.amount:
+                raise DecisionError(f"this request's estimated {cost} input tokens exceed the "
+                                    f"{check.item.amount} tokens per minute of {check.scope.describe()}",
+                                    code="limit_exceeded")
+            if not await self.window.test(check.item, *check.identifiers, cost=cost):
+                raise await self._refusal(check, admission)
+        for scope in scopes:
+            if scope.config.concurrent is not None:
+                if not await self.concurrency.acquire(scope, scope.config.concurrent):
+                    await admission.release()
+                    raise rate_limited(f"{scope.describe()} already has {scope.config.concurrent} requests in "
+                                       "flight (its concurrent limit)", 1.0)
+                admission.slots.append(scope)
+        for check in admission.checks:
+            if not await self.window.hit(check.item, *check.identifiers, cost=tokens if check.tokens else 1):
+                await admission.release()
+                raise await self._refusal(check, admission)
+        admission.headers = await self._headers(admission)
+        return admission
+
+    async def _refusal(self, check: _Check, admission: Admission) -> DecisionError:
+        stats = await self.window.get_window_stats(check.item, *check.identifiers)
+        wait = max(0.0, stats.reset_time - time.time())
+        unit = "input tokens" if check.tokens else "requests"
+        return rate_limited(f"{check.scope.describe()} is over its limit of {check.item.amount} {unit} per "
+                            f"{_per(check.item)}; retry in {_duration(wait)}", wait,
+                            await self._headers(admission))
+
+    async def top_up(self, check: _Check, extra: int) -> None:
+        stats = await self.window.get_window_stats(check.item, *check.identifiers)
+        cost = min(extra, stats.remaining)
+        if cost > 0:
+            await self.window.hit(check.item, *check.identifiers, cost=cost)
+
+    async def _headers(self, admission: Admission) -> dict[str, str]:
+        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` of the tightest request and token limits."""
+        headers: dict[str, str] = {}
+        for tokens, unit in ((False, "requests"), (True, "tokens")):
+            tightest = None
+            for check in admission.checks:
+                if check.tokens != tokens:
+                    continue
+                stats = await self.window.get_window_stats(check.item, *check.identifiers)
+                if tightest is None or stats.remaining < tightest[1].remaining:
+                    tightest = (check, stats)
+            if tightest is not None:
+                check, stats = tightest
+                headers[f"x-ratelimit-limit-{unit}"] = str(check.item.amount)
+                headers[f"x-ratelimit-remaining-{unit}"] = str(max(0, stats.remaining))
+                headers[f"x-ratelimit-reset-{unit}"] = _duration(max(0.0, stats.reset_time - time.time()))
+        return headers
+
+    async def aclose(self) -> None:
+        await self.concurrency.aclose()
+
+    # ------------------------------------------------------------------------------------------ targets
+
+    def gate(self, model: str, provider: str, tokens: int) -> "TargetGate":
+        return TargetGate(self, self.target_scopes(model, provider), tokens, model, provider)
+
+
+def _per(item: RateLimitItem) -> str:
+    return {1: "second", 60: "minute", 3600: "hour", 86400: "day"}.get(item.get_expiry(), f"{item.get_expiry()} s")
+
+
+class TargetGate:
+    """``async with limiter.gate(model, provider, tokens) as admission``: a target over its limits raises a
+    failover-able 429 (the router then tries the next target); the slots are released when the attempt ends."""
+
+    def __init__(self, limiter: RateLimiter, scopes: list[Scope], tokens: int, model: str, provider: str):
+        self.limiter, self.scopes, self.tokens = limiter, scopes, tokens
+        self.model, self.provider = model, provider
+        self.admission: Admission | None = None
+
+    async def __aenter__(self) -> Admission:
+        try:
+            self.admission = await self.limiter.admit(self.scopes, self.tokens)
+        except DecisionError as error:
+            if error.status != 429:
+                raise
+            raise _unavailable(error, self.provider) from None
+        return self.admission
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.admission is not None:
+            await self.admission.release()
+
+
+def _unavailable(error: DecisionError, provider: str) -> UpstreamError:
+    kept = {k: v for k, v in error.headers.items() if k in ("retry-after", "retry-after-ms")}
+    return upstream_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
+
+
+def estimated_tokens(request: DecisionRequest | ScoreRequest) -> int:
+    if isinstance(request, ScoreRequest):
+        return sum(len(p) if isinstance(p, tuple) else math.ceil(len(p) / request_limits.CHARS_PER_TOKEN)
+                   for p in request.prompts)
+    return sum(request_limits.estimated_tokens(request))
+
+
+class RateLimitStage:
+    """The caller's limits: its key's and those of every user-path subtree it is in."""
+
+    name = "rate_limit"
+
+    def __init__(self, limiter: RateLimiter):
+        self.limiter = limiter
+
+    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
+        scopes = self.limiter.caller_scopes(context.caller)
+        if not scopes:
+            return await call_next(context, request)
+        admission = await self.limiter.admit(scopes, estimated_tokens(request))
+        context.response_headers.update(admission.headers)
+        try:
+            result = await call_next(context, request)
+            usage = getattr(result, "usage", None)
+            await admission.settle(usage.input_tokens if usage is not None else getattr(result, "prompt_tokens", 0))
+            return result
+        finally:
+            await admission.release()

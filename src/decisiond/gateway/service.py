@@ -1,0 +1,84 @@
+"""The gateway as the server sees it: the router, the caller's authentication, the rate limiter, the database,
+and the pipeline of stages in their one fixed order."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
+from ..store import Database, KeyStore
+from .allowlist import Allowlist
+from .auth import Authenticator
+from .config import GatewayConfig
+from .pipeline import Context, Pipeline, Stage
+from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
+from .resolve import ResolveModel
+from .router import Router, Target
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("decisiond.gateway")
+
+MASTER_KEY_ENV = "DECISIOND_MASTER_KEY"
+DATABASE_URL_ENV = "DECISIOND_DATABASE_URL"
+REDIS_URL_ENV = "DECISIOND_REDIS_URL"
+
+
+class Gateway:
+    def __init__(self, router: Router, config: GatewayConfig | None = None):
+        config = config or GatewayConfig()
+        self.router = router
+        self.master_key = config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or None
+        self.database_url = config.database_url or os.environ.get(DATABASE_URL_ENV) or None
+        redis_url = config.redis_url or os.environ.get(REDIS_URL_ENV) or None
+        self.auth = Authenticator(self.master_key, config.auth.keys)
+        self.limiter = RateLimiter(
+            redis_url, config.rate_limits,
+            models={m.name: m.rate_limits for m in config.models if m.rate_limits is not None},
+            providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
+        self.db: Database | None = None
+        self.keys: KeyStore | None = None
+        stages: list[Stage] = [ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter)]
+        self.pipeline = Pipeline(stages, self._route)
+
+    @staticmethod
+    def keys_configured(config: GatewayConfig) -> bool:
+        """Whether clients will need a key: a master key (config or environment) or static keys."""
+        return bool(config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or config.auth.keys)
+
+    @property
+    def needs_database(self) -> bool:
+        """Managed keys exist only with a master key to create them; a database_url opens it regardless."""
+        return self.master_key is not None or self.database_url is not None
+
+    async def start(self) -> None:
+        if self.needs_database:
+            self.db = await Database.open(self.database_url)
+            self.keys = KeyStore(self.db)
+            self.auth.store = self.keys
+            log.info("database ready", extra={"database": self.db.dialect})
+        if not self.auth.enabled:
+            log.warning("no API key is configured: every client that can reach this server may use every model "
+                        f"and upstream key; set auth.master_key or {MASTER_KEY_ENV}")
+
+    async def aclose(self) -> None:
+        await self.router.aclose()
+        await self.limiter.aclose()
+        if self.db is not None:
+            await self.db.aclose()
+
+    async def _route(self, context: Context, request: Any) -> Any:
+        tokens = estimated_tokens(request)
+
+        def gate(target: Target) -> Any:
+            return self.limiter.gate(target.name, target.provider.name, tokens)
+
+        if context.operation == "score":
+            assert isinstance(request, ScoreRequest)
+            score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
+            return score
+        assert isinstance(request, DecisionRequest) and context.resolved_model is not None
+        result: DecisionResult = await self.router.decide(request, context.resolved_model, gate)
+        return result

@@ -1,0 +1,101 @@
+"""The key store on both databases it supports: a SQLite file and a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from decisiond.store import Database, KeyStore
+from decisiond.store.keys import split_key
+from services import start_postgres
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    server = start_postgres()
+    yield server
+    server.remove()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/nested/keys.sqlite3"
+    server = request.getfixturevalue("postgres")
+    name = f"k{tmp_path.name.replace('-', '_').lower()}"[:60]
+    import subprocess
+
+    subprocess.run([*server.as_user, str(server.bin / "createdb"), "-h", "127.0.0.1", "-p", str(server.port),
+                    "-U", "postgres", name], check=True, capture_output=True)
+    return f"postgresql://postgres@127.0.0.1:{server.port}/{name}"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_create_verify_list_revoke(database_url):
+    async def scenario():
+        db = await Database.open(database_url)
+        store = KeyStore(db)
+        try:
+            record, key = await store.create("alpha", "/team/alpha", ["tiny", "openai/*"],
+                                             {"requests_per_minute": 3})
+            assert split_key(key) == (record.id, key.split("-", 2)[2])
+            found = await store.verify(key)
+            assert found is not None and found.id == record.id and found.user_path == "/team/alpha"
+            assert found.models == ["tiny", "openai/*"] and found.rate_limits == {"requests_per_minute": 3}
+            assert found.status() == "active"
+            # A wrong secret for a real id, an unknown id, and something that is not a key at all.
+            assert await store.verify(key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+            assert await store.verify("dk-0000000000000000-" + key.split("-", 2)[2]) is None
+            assert await store.verify("sk-not-ours") is None
+            listed = await store.list()
+            assert [r.id for r in listed] == [record.id]
+            assert key not in repr(listed) and key.split("-", 2)[2] not in str([r.public() for r in listed])
+            revoked = await store.revoke(record.id)
+            assert revoked is not None and revoked.status() == "revoked"
+            assert (await store.verify(key)).status() == "revoked"
+            assert await store.revoke("nope") is None
+            past = datetime.now(timezone.utc) - timedelta(seconds=1)
+            old, old_key = await store.create("old", expires_at=past)
+            assert (await store.verify(old_key)).status() == "expired"
+        finally:
+            await db.aclose()
+
+    run(scenario())
+
+
+def test_migrations_are_idempotent_and_versioned(database_url):
+    async def scenario():
+        for _ in range(2):  # a second start finds the schema current
+            db = await Database.open(database_url)
+            async with db.engine.connect() as conn:
+                from sqlalchemy import text
+
+                version = (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar_one()
+            await db.aclose()
+            assert version == "0001"
+
+    run(scenario())
+
+
+def test_only_a_salted_hash_is_stored(tmp_path):
+    path = tmp_path / "keys.sqlite3"
+
+    async def scenario():
+        db = await Database.open(f"sqlite:///{path}")
+        first = await KeyStore(db).create("a")
+        second = await KeyStore(db).create("b")
+        await db.aclose()
+        return first, second
+
+    (r1, k1), (r2, k2) = run(scenario())
+    raw = path.read_bytes()
+    for key in (k1, k2):
+        assert key.split("-", 2)[2].encode() not in raw
+    rows = sqlite3.connect(path).execute("SELECT salt, secret_hash FROM api_keys").fetchall()
+    assert len({salt for salt, _ in rows}) == 2 and all(len(h) == 64 for _, h in rows)
