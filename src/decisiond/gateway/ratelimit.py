@@ -116,14 +116,20 @@ class Admission:
         extra = actual_tokens - self.estimate
         if extra <= 0:
             return
-        for check in self.checks:
-            if check.tokens:
-                await self.limiter.top_up(check, extra)
+        try:
+            for check in self.checks:
+                if check.tokens:
+                    await self.limiter.top_up(check, extra)
+        except Exception as error:
+            log.warning("token usage not counted: rate-limit storage unavailable", extra={"error": repr(error)})
 
     async def release(self) -> None:
-        for scope in self.slots:
-            await self.limiter.concurrency.release(scope)
-        self.slots = []
+        slots, self.slots = self.slots, []
+        for scope in slots:
+            try:
+                await self.limiter.concurrency.release(scope)
+            except Exception as error:  # the slot expires with CONCURRENCY_TTL_SECONDS
+                log.warning("concurrency slot not released: storage unavailable", extra={"error": repr(error)})
 
 
 class _Concurrency:
@@ -203,10 +209,23 @@ class RateLimiter:
     # ------------------------------------------------------------------------------------------ admission
 
     async def admit(self, scopes: list[Scope], tokens: int) -> Admission:
-        """Reserve one request and ``tokens`` input tokens in every scope, or raise 429 naming the limit."""
+        """Reserve one request and ``tokens`` input tokens in every scope, or raise 429 naming the limit.
+
+        When the counters cannot be reached (Redis down), the request is admitted and a warning logged: an outage
+        of the limiter's storage degrades to no limits, never to refusing every request."""
         admission = Admission(self, _checks(scopes), tokens)
         if not scopes:
             return admission
+        try:
+            return await self._admit(admission, scopes, tokens)
+        except DecisionError:
+            raise
+        except Exception as error:  # the storage: redis.ConnectionError, TimeoutError, …
+            log.warning("rate limits not enforced: their storage is unavailable",
+                        extra={"error": f"{type(error).__name__}: {error}"})
+            return Admission(self)
+
+    async def _admit(self, admission: Admission, scopes: list[Scope], tokens: int) -> Admission:
         for check in admission.checks:
             cost = tokens if check.tokens else 1
             if check.tokens and cost > check.item.amount:
