@@ -178,6 +178,27 @@ def test_three_requests_a_minute(gateway):
     assert 0 < te.value.retry_after_ms <= 60_000
 
 
+def test_input_tokens_are_reserved_then_corrected_to_what_was_counted(gateway):
+    key = new_key(gateway, rate_limits={"input_tokens_per_minute": 2000})["key"]
+    client = oai(gateway, key)
+
+    def call():
+        return client.decisions.with_raw_response.create(model="tiny-local", input="I was charged twice.",
+                                                         questions=[QUESTION])
+
+    first, second = call(), call()
+    counted = first.parse().usage.input_tokens
+    estimate = 2000 - int(first.headers["x-ratelimit-remaining-tokens"])
+    assert first.headers["x-ratelimit-limit-tokens"] == "2000" and 0 < estimate < counted
+    # The second request's headers see the first one's real count, not its estimate.
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) - int(second.headers["x-ratelimit-remaining-tokens"]) \
+        == counted
+    big = new_key(gateway, rate_limits={"input_tokens_per_minute": 10})["key"]
+    with pytest.raises(openai.BadRequestError) as e:  # can never fit the window: not a 429 to retry
+        oai(gateway, big).decisions.create(model="tiny-local", input="word " * 200, questions=[QUESTION])
+    assert e.value.code == "limit_exceeded" and "tokens per minute" in e.value.message
+
+
 def test_typesafe_retry_waits_retry_after_ms(gateway):
     key = new_key(gateway, rate_limits={"requests_per_second": 1})["key"]
     with typesafe(gateway, key, retries=2) as ts:

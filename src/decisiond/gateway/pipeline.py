@@ -82,6 +82,7 @@ class Pipeline:
 
     def __init__(self, stages: list[Stage], terminal: Next):
         self.stages = stages
+        self.terminal = terminal
         # Build the chain once: each link calls its stage with the next link; the router is the last link.
         chain: Next = _link(_Terminal(terminal), _unreachable)
         for stage in reversed(stages):
