@@ -53,10 +53,15 @@ def test_chains_nest_at_most_eight_deep():
 
 
 def test_image_reading_defaults():
-    hosted = config.ProviderConfig(name="jev", type="systemone", base_url="https://api.typesafe.ai/")
-    kev = config.ProviderConfig(name="kev", type="systemone", base_url="http://kev:8008")
-    assert hosted.reads_images and not kev.reads_images
-    assert config.ProviderConfig(name="o", type="openai", base_url="http://x").reads_images
+    from decisiond.gateway.providers import build
+
+    def reads(**fields):
+        return build(config.ProviderConfig(**fields)).reads_images
+
+    assert reads(name="jev", type="systemone", base_url="https://api.typesafe.ai/")
+    assert not reads(name="kev", type="systemone", base_url="http://kev:8008")
+    assert reads(name="o", type="openai", base_url="http://x")
+    assert not reads(name="o", type="openai", base_url="http://x", images=False)
 
 
 REQUEST = {"model": "m", "input": "Shoes arrived late.", "questions": [

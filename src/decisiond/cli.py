@@ -10,6 +10,7 @@ import logging
 import sys
 
 from . import __version__, logs
+from .limits import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("decisiond")
 
@@ -147,13 +148,16 @@ def cmd_decide(args: argparse.Namespace) -> int:
     from .dialects import openai as dialect
     from .dialects.common import parse_json
     from .errors import DecisionError
+    from .gateway.pipeline import Context
     from .gateway.router import Router
+    from .gateway.service import Gateway
 
     raw = sys.stdin.buffer.read() if args.file in (None, "-") else open(args.file, "rb").read()
     try:
         request = dialect.parse_request(parse_json(raw))
         router = Router.local_only(_engine(args))
-        result = asyncio.run(router.decide(request, router.resolve_name(request.model, strict=False)))
+        context = Context("cli", "decide", "openai", strict_model=False)
+        result = asyncio.run(Gateway(router).pipeline.run(context, request))
         out, code = dialect.render_response(result, request), 0
     except DecisionError as error:
         out, code = dialect.error_body(error), 1
@@ -286,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--config", default=None,
                        help="gateway YAML (providers, models, virtual models); without it, the local model alone")
     serve.add_argument("--allow-unauthenticated", action="store_true",

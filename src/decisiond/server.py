@@ -28,14 +28,13 @@ from .gateway.allowlist import allowed
 from .gateway.pipeline import Caller, Context
 from .gateway.router import Router
 from .gateway.service import Gateway
+from .limits import DEFAULT_MAX_BODY_BYTES
 from .transport import read_payload
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ROUTES", "DecisionRoute", "Settings", "create_app"]
+__all__ = ["ROUTES", "DecisionRoute", "RequestContext", "Settings", "create_app", "serve"]
 
 log = logging.getLogger("decisiond.server")
 access = logging.getLogger("decisiond.access")
-
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 ErrorRenderer = Callable[[DecisionError, Any], tuple[int, dict[str, Any]]]
 

@@ -8,11 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import DecisionError, Path, invalid
-
-# OpenAI's documented limits on an input_json part.
-JSON_MAX_DEPTH = 32
-JSON_MAX_VALUES = 10_000
-JSON_MAX_BYTES = 256 * 1024
+from ..limits import JSON
 
 
 class StrictModel(BaseModel):
@@ -132,20 +128,21 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
 
 
 def check_json_limits(data: Any, path: Path) -> None:
-    """OpenAI's input_json limits: 32 container levels, 10,000 values, 256 KiB of compact UTF-8 JSON."""
+    """OpenAI's input_json limits (``limits.JSON``): container levels, values, bytes of compact UTF-8 JSON."""
     values = 0
     stack = [(data, 1)]
     while stack:
         node, depth = stack.pop()
         values += 1
         if isinstance(node, (dict, list)):
-            if depth > JSON_MAX_DEPTH:
-                raise invalid(f"JSON data nests deeper than {JSON_MAX_DEPTH} container levels", *path, code="limit_exceeded")
+            if depth > JSON.max_depth:
+                raise invalid(f"JSON data nests deeper than {JSON.max_depth} container levels", *path,
+                              code="limit_exceeded")
             children = node.values() if isinstance(node, dict) else node
             stack.extend((child, depth + 1) for child in children)
-        if values > JSON_MAX_VALUES:
-            raise invalid(f"JSON data holds more than {JSON_MAX_VALUES} values", *path, code="limit_exceeded")
+        if values > JSON.max_values:
+            raise invalid(f"JSON data holds more than {JSON.max_values} values", *path, code="limit_exceeded")
     size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode())
-    if size > JSON_MAX_BYTES:
-        raise invalid(f"JSON data is {size} bytes of compact UTF-8, above the {JSON_MAX_BYTES} byte limit", *path,
+    if size > JSON.max_bytes:
+        raise invalid(f"JSON data is {size} bytes of compact UTF-8, above the {JSON.max_bytes} byte limit", *path,
                       code="limit_exceeded")

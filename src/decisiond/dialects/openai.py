@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag
 
+from .. import probability
 from ..canonical import (
     Answer,
     DecisionRequest,
@@ -32,17 +33,12 @@ from ..canonical import (
     ToolCall,
     ToolOutput,
 )
-from ..text import render_text
 from ..errors import DecisionError, invalid, openai_param
-from .. import probability
+from ..limits import OPENAI
+from ..rules import check_temperature, check_unique
+from ..text import render_text
 from .base import WireDialect
-from .common import StrictModel, check_json_limits, validate_body
-
-MAX_QUESTIONS = 400
-MAX_CHOICES = 255
-MIN_CHOICES = 2
-MAX_IMAGES = 128
-SAFETY_IDENTIFIER_MAX = 128
+from .common import StrictModel, validate_body
 
 Status = Literal["in_progress", "completed", "incomplete"]
 
@@ -203,7 +199,7 @@ class ChoiceItem(StrictModel):
 class ChoiceQuestion(StrictModel):
     type: Literal["choice"]
     instructions: Instructions
-    choices: list[ChoiceItem] = Field(min_length=MIN_CHOICES, max_length=MAX_CHOICES)
+    choices: list[ChoiceItem] = Field(min_length=OPENAI.min_choices, max_length=OPENAI.max_choices)
     name: str | None = None
 
 
@@ -232,10 +228,10 @@ class DecisionBody(StrictModel):
 
     model: str
     input: Union[str, list[InputItem]]
-    questions: list[QuestionModel] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    questions: list[QuestionModel] = Field(min_length=1, max_length=OPENAI.max_questions)
     prompt_cache_key: str | None = None
     prompt_cache_options: CacheOptions | None = None
-    safety_identifier: str | None = Field(default=None, max_length=SAFETY_IDENTIFIER_MAX)
+    safety_identifier: str | None = Field(default=None, max_length=OPENAI.max_safety_identifier)
     # decisiond extensions (sent through the SDK's extra_body)
     temperature: float | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -256,14 +252,9 @@ def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(DecisionBody, body)
     items = _input(parsed.input)
     questions = tuple(_question(q, i) for i, q in enumerate(parsed.questions))
-    _check_names(questions)
+    check_unique(((q.name, (*q.source, "name")) for q in questions), "question name")
     _check_call_ids(items)
-    images = sum(1 for item in items for p in getattr(item, "parts", ()) if isinstance(p, Image))
-    if images > MAX_IMAGES:
-        raise invalid(f"at most {MAX_IMAGES} images are allowed across all messages, got {images}", "input",
-                      code="limit_exceeded")
-    if parsed.temperature is not None and not parsed.temperature > 0:
-        raise invalid("temperature must be above 0", "temperature")
+    check_temperature(parsed.temperature)
     return DecisionRequest(
         input=items,
         questions=questions,
@@ -293,7 +284,6 @@ def _part(part: Any, path: tuple) -> Part:
     if isinstance(part, (InputImage, InstructionImage)):
         return Image(url=part.image_url, detail=part.detail,
                      cache_breakpoint=getattr(part, "prompt_cache_breakpoint", None) is not None, source=path)
-    check_json_limits(part.data, path)
     return Json(part.data, source=path)
 
 
@@ -356,17 +346,6 @@ def _question(q: Any, i: int) -> Question:
         return Question("choice", q.name, instructions, options=tuple(options), source=path)
     levels = tuple(Level(lv.label, lv.description, source=(*path, "levels", j)) for j, lv in enumerate(q.levels))
     return Question("score", q.name, instructions, levels=levels, source=path)
-
-
-def _check_names(questions: tuple[Question, ...]) -> None:
-    seen: set[str] = set()
-    for q in questions:
-        if q.name is None:
-            continue
-        if q.name in seen:
-            raise invalid(f"question name {q.name!r} repeats another question; names must be unique",
-                          *q.source, "name", code="duplicate_value")
-        seen.add(q.name)
 
 
 def _check_call_ids(items: tuple[Item, ...]) -> None:

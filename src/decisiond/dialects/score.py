@@ -9,16 +9,15 @@ object: "scoring"}``. Errors: SGLang's ``ErrorResponse``.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Union
 
 from ..canonical import ScoreRequest, ScoreResult
 from ..errors import invalid
-from .common import StrictModel, validate_body
+from ..limits import SCORE_MAX_ITEMS
+from ..rules import check_temperature
 from .base import WireDialect
+from .common import StrictModel, validate_body
 from .sglang import DEFAULT_MODEL, render_error
-
-MAX_ITEMS = 1024
 
 
 class ScoreBody(StrictModel):
@@ -34,8 +33,7 @@ class ScoreBody(StrictModel):
 
 def parse_request(body: Any, files: Any = None) -> ScoreRequest:
     parsed = validate_body(ScoreBody, body)
-    if not (math.isfinite(parsed.temperature) and parsed.temperature > 0):
-        raise invalid("temperature must be a finite number above 0", "temperature")
+    check_temperature(parsed.temperature)
     if parsed.temperature != 1.0 and not parsed.apply_softmax:
         raise invalid("temperature scales the softmax over the labels, so it needs apply_softmax: true", "temperature")
     items = parsed.items
@@ -43,8 +41,8 @@ def parse_request(body: Any, files: Any = None) -> ScoreRequest:
         raise invalid("items must hold at least one item", "items", code="missing_required_parameter")
     if isinstance(items, str):
         items = [items]
-    if len(items) > MAX_ITEMS:
-        raise invalid(f"at most {MAX_ITEMS} items per request", "items", code="limit_exceeded")
+    if len(items) > SCORE_MAX_ITEMS:
+        raise invalid(f"at most {SCORE_MAX_ITEMS} items per request", "items", code="limit_exceeded")
     text = isinstance(items[0], str)
     query = parsed.query if parsed.query is not None else ("" if text else [])
     if isinstance(query, str) != text:

@@ -10,21 +10,29 @@ Errors: 400 ``ErrorResponse`` ``{object: "error", message, type, param, code}``,
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field
 
 from .. import probability
-from ..canonical import Answer, DecisionRequest, DecisionResult, Json, Level, Message, Option, Part, Question, Text
-from ..errors import DecisionError, invalid, openai_param, refused
+from ..canonical import (
+    Answer,
+    DecisionRequest,
+    DecisionResult,
+    Json,
+    Level,
+    Message,
+    Option,
+    Part,
+    Question,
+    Text,
+)
+from ..errors import DecisionError, openai_param
+from ..limits import SGLANG
+from ..rules import check_model_name, check_temperature, check_unique
 from ..text import is_blank
 from .base import WireDialect
 from .common import StrictModel, validate_body
-
-MAX_OPTIONS = 26
-MAX_LEVELS = 10
-MAX_QUESTIONS = 400
 
 DecisionText = Union[str, dict[str, Any], list[Any]]
 
@@ -48,14 +56,14 @@ class ChoiceQuestion(StrictModel):
     id: QuestionId
     type: Literal["choice"]
     question: RequiredText
-    options: list[OptionModel] = Field(min_length=2, max_length=MAX_OPTIONS)
+    options: list[OptionModel] = Field(min_length=SGLANG.min_choices, max_length=SGLANG.max_choices)
 
 
 class ScoreQuestion(StrictModel):
     id: QuestionId
     type: Literal["score"]
     question: RequiredText
-    levels: list[RequiredText] = Field(min_length=2, max_length=MAX_LEVELS)
+    levels: list[RequiredText] = Field(min_length=SGLANG.min_levels, max_length=SGLANG.max_levels)
 
 
 class YesNoQuestion(StrictModel):
@@ -71,8 +79,8 @@ QuestionModel = Annotated[Union[ChoiceQuestion, ScoreQuestion, YesNoQuestion], F
 
 class SGLangBody(StrictModel):
     input: RequiredText
-    questions: list[QuestionModel] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    temperature: float | None = None  # 1 when unset
+    questions: list[QuestionModel] = Field(min_length=1, max_length=SGLANG.max_questions)
+    temperature: float | None = None  # 1 when unset; checked by rules.check_temperature
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     prompt_format_version: int | None = None
     return_prompt_token_ids: bool = False
@@ -80,13 +88,6 @@ class SGLangBody(StrictModel):
     # decisiond extensions
     order: Literal["given", "cyclic"] | None = None
     calibrate: Literal["none", "contextual"] | None = None
-
-    @field_validator("temperature")
-    @classmethod
-    def _above_zero(cls, value: float | None) -> float | None:
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError("temperature must be a finite number above 0")
-        return value
 
 
 DEFAULT_MODEL = "default"
@@ -97,14 +98,9 @@ DEFAULT_MODEL = "default"
 
 def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(SGLangBody, body)
-    if parsed.model and ":" in parsed.model:
-        adapter = parsed.model.split(":", 1)[1]
-        raise refused(f"model names the LoRA adapter {adapter!r}, which /v1/decisions does not support", "model")
-    seen: set[str] = set()
-    for i, q in enumerate(parsed.questions):
-        if q.id in seen:
-            raise invalid(f"question id {q.id!r} repeats another question", "questions", i, "id")
-        seen.add(q.id)
+    check_model_name(parsed.model)
+    check_unique(((q.id, ("questions", i, "id")) for i, q in enumerate(parsed.questions)), "question id")
+    check_temperature(parsed.temperature)
     return DecisionRequest(
         input=(_input(parsed.input),),
         questions=tuple(_question(q, i) for i, q in enumerate(parsed.questions)),

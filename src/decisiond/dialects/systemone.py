@@ -32,13 +32,12 @@ from ..canonical import (
     Text,
     Usage,
 )
-from ..text import is_blank, render_input, render_part, render_text
 from ..errors import DecisionError, invalid, refused
+from ..limits import SYSTEM_ONE
+from ..rules import check_model_name
+from ..text import is_blank, render_input, render_part, render_text
 from .base import WireDialect
 from .common import StrictModel, validate_body
-
-MAX_CHOICES = 255
-MAX_LEVELS = 10
 
 Content = Union[str, dict[str, Any], list[Any]]
 
@@ -65,13 +64,13 @@ class NoulQuestion(StrictModel):
 class ChoiceQuestion(StrictModel):
     type: Literal["choice"]
     instructions: Content | None = None
-    criteria: dict[str, Content | None] = Field(min_length=1, max_length=MAX_CHOICES)
+    criteria: dict[str, Content | None] = Field(min_length=1, max_length=SYSTEM_ONE.max_choices)
 
 
 class ScoreQuestion(StrictModel):
     type: Literal["score"]
     instructions: Content | None = None
-    criteria: list[Content] = Field(min_length=1, max_length=MAX_LEVELS)
+    criteria: list[Content] = Field(min_length=1, max_length=SYSTEM_ONE.max_levels)
 
 
 class BoxQuestion(StrictModel):
@@ -121,8 +120,7 @@ class SystemOneBody(StrictModel):
 
 def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(SystemOneBody, body, code="model_attributes_type")
-    if ":" in parsed.model:
-        raise refused(f"model {parsed.model!r} names a LoRA adapter after a colon, which is not supported", "model")
+    check_model_name(parsed.model)
     images = _assets(parsed.assets or {}, files or {})
     questions = tuple(_question(qid, q) for qid, q in parsed.questions.items())
     return DecisionRequest(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_CHAIN_DEPTH = 8
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -84,7 +84,8 @@ class ProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
-    type: Literal["openai", "azure", "systemone", "local"]
+    # A registered provider type (``gateway.providers.REGISTRY``): openai, azure, systemone, local.
+    type: str
     base_url: str | None = None
     api_key: str | None = None
     api_version: str | None = None  # azure
@@ -96,29 +97,26 @@ class ProviderConfig(BaseModel):
     calibration: str | None = None  # local: a profile from `decisiond calibrate`
     timeout: float = 60.0
     connect_timeout: float = 5.0
-    # Whether the provider reads images; by default OpenAI and Azure do, TypeSafe's hosted API does, others do not.
+    # Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``).
     images: bool | None = None
     limits: Limits | None = None
     rate_limits: RateLimitConfig | None = None
     headers: dict[str, str] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _needs(self) -> "ProviderConfig":
-        if self.type != "local" and not self.base_url:
-            raise ValueError(f"provider {self.name!r} ({self.type}) needs a base_url")
-        if self.type == "azure" and not self.api_version:
-            raise ValueError(f"provider {self.name!r} (azure) needs an api_version")
-        return self
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from .providers import provider_class  # the registry imports this module
 
-    @property
-    def reads_images(self) -> bool:
-        if self.images is not None:
-            return self.images
-        if self.type in ("openai", "azure"):
-            return True
-        if self.type == "systemone":
-            return (self.base_url or "").rstrip("/") == TYPESAFE_HOSTED
-        return False
+        provider_class(value)
+        return value
+
+    @model_validator(mode="after")
+    def _fits_its_type(self) -> "ProviderConfig":
+        from .providers import provider_class  # the registry imports this module
+
+        provider_class(self.type).check_config(self)
+        return self
 
 
 class ModelConfig(BaseModel):

@@ -4,47 +4,62 @@ ones. A request over a limit is refused with 400 ``limit_exceeded`` naming the l
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from .. import limits as table
 from ..canonical import DecisionRequest, Image, Json, Message, ToolOutput
 from ..dialects.common import check_json_limits
-from ..errors import DecisionError
+from ..rules import limit_exceeded
 from ..text import question_text, render_input
 from .config import Limits
+from .pipeline import Context, Next
 
-OPENAI_MAX_QUESTIONS = 400
-OPENAI_MAX_CHOICES = 255
-OPENAI_MAX_IMAGES = 128
+__all__ = ["CHARS_PER_TOKEN", "LOCAL", "SYSTEM_ONE", "RequestLimits", "check_openai", "check_provider",
+           "estimated_tokens"]
 
-# TypeSafe's published limits, which System One servers (Jev, Kev, OpenRouter's decision models, SGLang's and
-# decisiond's /v1/systemone) share.
-SYSTEM_ONE = Limits(max_choices=255, max_levels=10, max_tokens=64 * 1024, max_question_tokens=32 * 1024)
-# The local engine labels levels 0-9.
-LOCAL = Limits(max_levels=10)
+
+def _provider_limits(wire: table.WireLimits) -> Limits:
+    return Limits(max_questions=wire.max_questions, max_choices=wire.max_choices, max_levels=wire.max_levels,
+                  max_tokens=wire.max_tokens, max_question_tokens=wire.max_question_tokens)
+
+
+SYSTEM_ONE = _provider_limits(table.SYSTEM_ONE)
+LOCAL = _provider_limits(table.LOCAL)
 
 CHARS_PER_TOKEN = 4  # the estimate used for providers whose tokenizer decisiond does not have
 
 
-def limit_exceeded(message: str, path: tuple = ()) -> DecisionError:
-    return DecisionError(message, path, code="limit_exceeded")
-
-
 def check_openai(request: DecisionRequest) -> None:
-    """OpenAI's upper limits: 400 questions, 255 choices, 128 images, and the input_json size limits."""
-    if len(request.questions) > OPENAI_MAX_QUESTIONS:
-        raise limit_exceeded(f"at most {OPENAI_MAX_QUESTIONS} questions per request (OpenAI's limit), got "
+    """OpenAI's upper limits on every request, whatever dialect it came in and whatever answers it: questions,
+    choices, images (in the input and in question instructions), and the input_json limits."""
+    openai = table.OPENAI
+    assert openai.max_questions is not None and openai.max_choices is not None and openai.max_images is not None
+    if len(request.questions) > openai.max_questions:
+        raise limit_exceeded(f"at most {openai.max_questions} questions per request (OpenAI's limit), got "
                              f"{len(request.questions)}", ("questions",))
     for q in request.questions:
-        if q.kind == "choice" and len(q.options) > OPENAI_MAX_CHOICES:
-            raise limit_exceeded(f"at most {OPENAI_MAX_CHOICES} choices per question (OpenAI's limit), got "
+        if q.kind == "choice" and len(q.options) > openai.max_choices:
+            raise limit_exceeded(f"at most {openai.max_choices} choices per question (OpenAI's limit), got "
                                  f"{len(q.options)}", q.source)
     images = request.images()
-    if len(images) > OPENAI_MAX_IMAGES:
-        raise limit_exceeded(f"at most {OPENAI_MAX_IMAGES} images per request (OpenAI's limit), got {len(images)}",
-                             images[OPENAI_MAX_IMAGES].source)
+    if len(images) > openai.max_images:
+        raise limit_exceeded(f"at most {openai.max_images} images per request (OpenAI's limit), got {len(images)}",
+                             images[openai.max_images].source)
     for item in request.input:
         for part in item.parts if isinstance(item, (Message, ToolOutput)) else ():
             if isinstance(part, Json):
                 check_json_limits(part.data, part.source)
+
+
+class RequestLimits:
+    """Stage: OpenAI's limits, first in the chain, so that a request over them costs nothing downstream."""
+
+    name = "request_limits"
+
+    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
+        if context.operation == "decide":
+            check_openai(request)
+        return await call_next(context, request)
 
 
 def estimated_tokens(request: DecisionRequest) -> list[int]:

@@ -18,8 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from limits import RateLimitItem, RateLimitItemPerDay, RateLimitItemPerHour, RateLimitItemPerMinute
-from limits import RateLimitItemPerSecond
+from limits import (
+    RateLimitItem,
+    RateLimitItemPerDay,
+    RateLimitItemPerHour,
+    RateLimitItemPerMinute,
+    RateLimitItemPerSecond,
+)
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 

@@ -5,7 +5,7 @@ virtual model (an alias, or a failover chain of targets, possibly other virtual 
 the local engine under its served name or ``default``. The router expands the name into its chain of targets and
 tries them in order:
 
-- every request is checked against OpenAI's limits first, whatever answers it;
+- every request has been checked against OpenAI's limits by the pipeline, whatever answers it;
 - a target that cannot serve the request — no Decisions API, images to a text-only provider, over the
   provider's own limits — is skipped without spending an attempt;
 - a target that is unavailable (429, 5xx, 529, a timeout or a dropped connection) hands over to the next one;
@@ -173,8 +173,8 @@ class Router:
     # -------------------------------------------------------------------------------- answering
 
     async def decide(self, request: DecisionRequest, name: str, gate: Gate = _open_gate) -> DecisionResult:
-        """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for."""
-        limits.check_openai(request)
+        """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for. OpenAI's limits
+        were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here."""
         skipped: list[DecisionError] = []
         failure: UpstreamError | None = None
         for target in self.chain(name):

@@ -12,6 +12,7 @@ from ..store import Database, KeyStore
 from .allowlist import Allowlist
 from .auth import Authenticator
 from .config import GatewayConfig
+from .limits import RequestLimits
 from .pipeline import Context, Pipeline, Stage
 from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
 from .resolve import ResolveModel
@@ -40,7 +41,7 @@ class Gateway:
             providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
         self.db: Database | None = None
         self.keys: KeyStore | None = None
-        stages: list[Stage] = [ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter)]
+        stages: list[Stage] = [RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter)]
         self.pipeline = Pipeline(stages, self._route)
 
     @staticmethod

@@ -1,24 +1,38 @@
-"""Upstream decision providers: one small module each, one interface (canonical request in, result out)."""
+"""Upstream decision providers: one small module each, one interface (canonical request in, result out), and
+one registration line each in ``REGISTRY``. A new provider type is a module with a ``Provider`` subclass and a
+line here::
+
+    from .acme import AcmeProvider
+    REGISTRY["acme"] = AcmeProvider      # then `type: acme` in the YAML
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import ProviderConfig
-from .base import Provider
+from .azure import AzureProvider
+from .base import DecisionProvider, HttpProvider, Provider
+from .local import LocalProvider
+from .openai import OpenAIProvider
+from .systemone import SystemOneProvider
+
+__all__ = ["REGISTRY", "DecisionProvider", "HttpProvider", "Provider", "build", "provider_class"]
+
+REGISTRY: dict[str, type[Provider]] = {
+    "openai": OpenAIProvider,
+    "azure": AzureProvider,
+    "systemone": SystemOneProvider,
+    "local": LocalProvider,
+}
 
 
-def build(config: ProviderConfig, engines: dict | None = None) -> Provider:
-    if config.type == "openai":
-        from .openai import OpenAIProvider
+def provider_class(type_name: str) -> type[Provider]:
+    try:
+        return REGISTRY[type_name]
+    except KeyError:
+        raise ValueError(f"unknown provider type {type_name!r}; registered types: {', '.join(REGISTRY)}") from None
 
-        return OpenAIProvider(config)
-    if config.type == "azure":
-        from .azure import AzureProvider
 
-        return AzureProvider(config)
-    if config.type == "systemone":
-        from .systemone import SystemOneProvider
-
-        return SystemOneProvider(config)
-    from .local import LocalProvider
-
-    return LocalProvider(config, (engines or {})[config.name])
+def build(config: ProviderConfig, engines: dict[str, Any] | None = None) -> Provider:
+    return provider_class(config.type).from_config(config, engines or {})

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+from ..config import ProviderConfig
 from .openai import OpenAIProvider
 
 
 class AzureProvider(OpenAIProvider):
+    @classmethod
+    def check_config(cls, config: ProviderConfig) -> None:
+        super().check_config(config)
+        if not config.api_version:
+            raise ValueError(f"provider {config.name!r} (azure) needs an api_version")
+
     def url(self, upstream: str) -> str:
         deployment = quote(upstream, safe="")
         return f"{self.base_url}/openai/deployments/{deployment}/decisions?api-version={self.config.api_version}"

@@ -1,9 +1,10 @@
-"""What every provider offers the router, and the HTTP plumbing the upstream ones share."""
+"""What every provider offers the router (the ``DecisionProvider`` protocol and its ``Provider`` base), and the
+HTTP plumbing the upstream ones share."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import httpx
 
@@ -11,16 +12,62 @@ from ...canonical import DecisionRequest, DecisionResult
 from ...errors import DecisionError, upstream_error
 from ..config import Limits, ProviderConfig
 
+__all__ = ["DecisionProvider", "HttpProvider", "Provider", "error_message"]
+
+
+class DecisionProvider(Protocol):
+    """What the router needs of a provider. Example: an upstream that always answers "yes"::
+
+        class Yes(Provider):
+            format = "openai"
+
+            async def decide(self, request, upstream):
+                return DecisionResult(upstream, [Answer(q.kind, q.name, [1.0, 0.0]) for q in request.questions])
+    """
+
+    name: str
+    format: str
+    capabilities: ClassVar[frozenset[str]]
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def reads_images(self) -> bool: ...
+
+    def unsupported(self, request: DecisionRequest) -> DecisionError | None: ...
+
+    async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult: ...
+
+    async def aclose(self) -> None: ...
+
 
 class Provider:
-    """A decision provider. ``format`` says which wire format answers: openai, system_one or local."""
+    """The base of every provider type. ``format`` says which wire format answers (openai, system_one, local);
+    ``capabilities`` what it can serve; ``default_limits`` its own request limits (config may tighten them)."""
 
     format = "local"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"decisions"})
     default_limits = Limits()
+    needs_base_url = True
 
     def __init__(self, config: ProviderConfig):
         self.config = config
         self.name = config.name
+
+    @classmethod
+    def from_config(cls, config: ProviderConfig, engines: dict[str, Any]) -> "Provider":
+        return cls(config)
+
+    @classmethod
+    def check_config(cls, config: ProviderConfig) -> None:
+        """Refuse, at start-up, a config this type cannot work with (a ValueError naming the provider)."""
+        if cls.needs_base_url and not config.base_url:
+            raise ValueError(f"provider {config.name!r} ({config.type}) needs a base_url")
+
+    @classmethod
+    def images_by_default(cls, config: ProviderConfig) -> bool:
+        return False
 
     @property
     def limits(self) -> Limits:
@@ -29,7 +76,7 @@ class Provider:
 
     @property
     def reads_images(self) -> bool:
-        return self.config.reads_images
+        return self.config.images if self.config.images is not None else self.images_by_default(self.config)
 
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         """Why this provider cannot take ``request`` at all (it is then skipped without an attempt), or None."""

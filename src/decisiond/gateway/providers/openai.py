@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from ...canonical import DecisionRequest, DecisionResult
 from ...dialects import openai as wire
+from ..config import ProviderConfig
 from .base import HttpProvider
 
 
 class OpenAIProvider(HttpProvider):
     format = "openai"
+    capabilities = frozenset({"decisions", "chat", "images"})
+
+    @classmethod
+    def images_by_default(cls, config: ProviderConfig) -> bool:
+        return True
 
     def url(self, upstream: str) -> str:
         return f"{self.base_url}/decisions"

@@ -8,6 +8,7 @@ import json
 
 from ...canonical import DecisionRequest, DecisionResult
 from ...dialects import systemone as wire
+from ..config import TYPESAFE_HOSTED, ProviderConfig
 from ..limits import SYSTEM_ONE
 from .base import HttpProvider
 
@@ -15,6 +16,11 @@ from .base import HttpProvider
 class SystemOneProvider(HttpProvider):
     format = "system_one"
     default_limits = SYSTEM_ONE
+
+    @classmethod
+    def images_by_default(cls, config: ProviderConfig) -> bool:
+        """TypeSafe's hosted API reads images; Kev, OpenRouter's models and other servers do not."""
+        return (config.base_url or "").rstrip("/") == TYPESAFE_HOSTED
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         outbound = wire.render_request(request, upstream)

@@ -1,0 +1,63 @@
+"""The one table of limits every layer reads: what each wire format publishes, what the local engine can
+label, and what decisiond bounds on its own. A number appears here and nowhere else; the modules that enforce a
+limit import it (the dialects in their schemas, ``gateway.limits`` for every request whatever answers it and for
+each provider, the engine for its labels)."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "JSON",
+    "LOCAL",
+    "OPENAI",
+    "SCORE_MAX_ITEMS",
+    "SGLANG",
+    "SYSTEM_ONE",
+    "JsonLimits",
+    "WireLimits",
+]
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Limits on a decision request; None means the wire format sets none."""
+
+    max_questions: int | None = None
+    min_choices: int = 1
+    max_choices: int | None = None
+    min_levels: int = 1
+    max_levels: int | None = None
+    max_images: int | None = None
+    # Estimated tokens (4 characters a token, the input counted once per question).
+    max_tokens: int | None = None
+    max_question_tokens: int | None = None
+    max_safety_identifier: int | None = None
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    max_depth: int
+    max_values: int
+    max_bytes: int
+
+
+# OpenAI's Decisions API; checked for every request, whatever answers it.
+OPENAI = WireLimits(max_questions=400, min_choices=2, max_choices=255, max_images=128, max_safety_identifier=128)
+# OpenAI's limits on an input_json part (and on any JSON input decisiond renders).
+JSON = JsonLimits(max_depth=32, max_values=10_000, max_bytes=256 * 1024)
+# SGLang's /v1/decisions: options are labelled A-Z, levels 0-9.
+SGLANG = WireLimits(max_questions=400, min_choices=2, max_choices=len(string.ascii_uppercase), min_levels=2,
+                    max_levels=len(string.digits))
+# TypeSafe's published limits, shared by System One servers (Jev, Kev, OpenRouter's decision models, SGLang's and
+# decisiond's /v1/systemone).
+SYSTEM_ONE = WireLimits(max_choices=255, max_levels=10, max_tokens=64 * 1024, max_question_tokens=32 * 1024)
+# decisiond's local engine: levels are labelled 0-9; choices A-Z, then two letters AA-ZZ where each is one token.
+LOCAL = WireLimits(max_choices=len(string.ascii_uppercase) ** 2, max_levels=len(string.digits))
+
+# SGLang's /v1/score: items per request.
+SCORE_MAX_ITEMS = 1024
+# Request bodies, after decompression (``serve --max-body-bytes``).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
