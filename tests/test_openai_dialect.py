@@ -166,3 +166,34 @@ def test_error_body_shape():
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "invalid_request_error"
     assert "questions[0].type" in body["error"]["message"]
+
+
+def test_a_request_forwarded_upstream_keeps_its_wire_shape():
+    body = {
+        "model": "m",
+        "input": [
+            {"type": "message", "role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                         {"type": "input_json", "data": {"order": 7}}]},
+            {"role": "assistant", "phase": "final_answer",
+             "content": [{"type": "output_text", "text": "One moment"}, {"type": "refusal", "refusal": "No."}]},
+            {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "found"},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "questions": [{"type": "predicate", "name": "p", "instructions": "?"}],
+    }
+    request = d.parse_request(body)
+    assert d.render_request(request) == body
+    assert d.render_request(d.parse_request({**body, "input": "plain"}))["input"] == "plain"
+
+
+def test_requests_from_other_dialects_render_their_natural_openai_shape():
+    from decisiond.dialects import sglang, systemone
+
+    text = sglang.parse_request({"input": "A ticket.", "questions": [{"id": "q", "type": "yes_no", "question": "?"}]})
+    assert d.render_request(text, "gpt")["input"] == "A ticket."
+    data = systemone.parse_request({"state": {"id": 3}, "model": "m", "questions": {
+        "q": {"type": "noul", "instructions": "?"}}})
+    assert d.render_request(data, "gpt")["input"] == [
+        {"role": "user", "content": [{"type": "input_json", "data": {"id": 3}}]}]

@@ -57,17 +57,11 @@ Part = Union[Text, Json, Image]
 
 @dataclass(frozen=True)
 class Message:
+    """A message of the input. How it was spelled on the wire (a string or a list of parts, OpenAI's ``phase``,
+    refusal parts) is the dialect's business: see ``DecisionRequest.wire``."""
+
     role: Literal["user", "system", "developer", "assistant"]
     parts: tuple[Part, ...]
-    # The content was sent as a plain string rather than a list of parts.
-    plain: bool = False
-    # Assistant messages: OpenAI's "commentary" | "final_answer"; parts may hold refusals as Text.
-    phase: str | None = None
-    # Assistant parts that were refusals (indices into parts), so the wire shape round-trips.
-    refusal_parts: tuple[int, ...] = ()
-    typed: bool = False  # "type": "message" was present
-    # The whole input was a bare string (OpenAI's string input, System One's string state), not a message.
-    bare: bool = False
     source: Path = _source()
 
 
@@ -87,7 +81,6 @@ class ToolCall:
 class ToolOutput:
     call_id: str
     parts: tuple[Part, ...]
-    plain: bool = False
     custom: bool = False
     id: str | None = None
     status: str | None = None
@@ -169,6 +162,9 @@ class DecisionRequest:
     safety_identifier: str | None = None
     # Other top-level fields the caller sent, name → JSON value, in the caller's order.
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Dialect name → how the request was spelled on that wire (e.g. ``dialects.openai.OpenAIWire``), so that a
+    # request forwarded in the wire format it came in keeps its shape. Never changes an answer.
+    wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def images(self) -> list[Image]:
         found = [p for item in self.input for p in _parts(item) if isinstance(p, Image)]

@@ -6,7 +6,17 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .canonical import Image, Item, Json, Message, Part, Question, Text, ToolCall, ToolOutput
+from .canonical import (
+    Image,
+    Item,
+    Json,
+    Message,
+    Part,
+    Question,
+    Text,
+    ToolCall,
+    ToolOutput,
+)
 from .errors import refused
 
 

@@ -23,8 +23,8 @@ from ..canonical import DecisionRequest
 from ..engine.local import LocalEngine
 from ..engine.packing import pack
 from ..engine.prompt import labels_for, render_question
-from ..text import render_input
 from ..probability import label_probabilities
+from ..text import render_input
 from . import workload
 
 

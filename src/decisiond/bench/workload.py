@@ -105,7 +105,7 @@ QUESTION_SETS = {3: (TEAM, FRUSTRATION, URGENT), 10: (TEAM, FRUSTRATION, URGENT,
 def requests(count: int = 200, questions: int = 3, seed: int = 7) -> list[DecisionRequest]:
     rng = random.Random(seed)
     chosen = QUESTION_SETS[questions]
-    return [DecisionRequest((Message("user", (Text(ticket(rng)),), plain=True, bare=True),), chosen)
+    return [DecisionRequest((Message("user", (Text(ticket(rng)),)),), chosen)
             for _ in range(count)]
 
 

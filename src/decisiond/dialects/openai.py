@@ -12,6 +12,7 @@ decisiond extensions, sent by the SDK through ``extra_body``: ``temperature``, `
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag
@@ -33,7 +34,7 @@ from ..canonical import (
     ToolCall,
     ToolOutput,
 )
-from ..errors import DecisionError, invalid, openai_param
+from ..errors import DecisionError, Path, invalid, openai_param
 from ..limits import OPENAI
 from ..rules import check_temperature, check_unique
 from ..text import render_text
@@ -245,12 +246,15 @@ EXTENSION_FIELDS = ("temperature", "chat_template_kwargs", "prompt_format_versio
                     "order", "calibrate")
 
 
+DIALECT_NAME = "openai"
+
+
 # ------------------------------------------------------------------------------------ parse request
 
 
 def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     parsed = validate_body(DecisionBody, body)
-    items = _input(parsed.input)
+    items, wire = _input(parsed.input)
     questions = tuple(_question(q, i) for i, q in enumerate(parsed.questions))
     check_unique(((q.name, (*q.source, "name")) for q in questions), "question name")
     _check_call_ids(items)
@@ -269,6 +273,7 @@ def parse_request(body: Any, files: Any = None) -> DecisionRequest:
         prompt_cache_options=body.get("prompt_cache_options"),
         safety_identifier=parsed.safety_identifier,
         extra=dict(parsed.model_extra or {}),
+        wire={DIALECT_NAME: wire},
     )
 
 
@@ -287,36 +292,59 @@ def _part(part: Any, path: tuple) -> Part:
     return Json(part.data, source=path)
 
 
+@dataclass(frozen=True)
+class ItemShape:
+    """How one input item was spelled: its content as a string (``plain``), ``"type": "message"`` present
+    (``typed``), an assistant message's ``phase``, and which of its parts were refusals."""
+
+    plain: bool = False
+    typed: bool = False
+    phase: str | None = None
+    refusals: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpenAIWire:
+    """How an OpenAI-shaped request looked (``DecisionRequest.wire["openai"]``), so that forwarding it to an
+    OpenAI-shaped upstream sends it as it came. Items are found by their ``source`` path, so an item a guardrail
+    rewrites keeps its shape. Requests from other dialects have none: their shape is derived (``_shape``)."""
+
+    bare: bool = False  # the input was a string
+    items: dict[Path, ItemShape] = field(default_factory=dict)
+
+
 def _content(content: Any, path: tuple) -> tuple[tuple[Part, ...], bool]:
     if isinstance(content, str):
         return (Text(content, source=path),), True
     return tuple(_part(p, (*path, j)) for j, p in enumerate(content)), False
 
 
-def _input(value: Any) -> tuple[Item, ...]:
+def _input(value: Any) -> tuple[tuple[Item, ...], OpenAIWire]:
     if isinstance(value, str):
         if not value.strip():
             raise invalid("input must not be blank", "input", code="empty_string")
-        return (Message("user", (Text(value, source=("input",)),), plain=True, bare=True, source=("input",)),)
+        return (Message("user", (Text(value, source=("input",)),), source=("input",)),), OpenAIWire(bare=True)
     if not value:
         raise invalid("input must hold at least one item", "input", code="empty_array")
     items: list[Item] = []
+    shapes: dict[Path, ItemShape] = {}
     for i, item in enumerate(value):
         path = ("input", i)
         if isinstance(item, (UserMessage, SystemMessage, DeveloperMessage, AssistantMessage)):
             parts, plain = _content(item.content, (*path, "content"))
             refusals = tuple(j for j, p in enumerate(item.content) if isinstance(p, RefusalPart)) if not plain else ()
-            items.append(Message(item.role, parts, plain=plain, phase=getattr(item, "phase", None),
-                                 refusal_parts=refusals, typed=item.type is not None, source=path))
+            items.append(Message(item.role, parts, source=path))
+            shapes[path] = ItemShape(plain, item.type is not None, getattr(item, "phase", None), refusals)
         elif isinstance(item, (FunctionCall, CustomToolCall)):
             custom = isinstance(item, CustomToolCall)
             items.append(ToolCall(item.call_id, item.name, item.input if custom else item.arguments, custom=custom,
                                   id=item.id, namespace=item.namespace, status=item.status, source=path))
         else:
             parts, plain = _content(item.output, (*path, "output"))
-            items.append(ToolOutput(item.call_id, parts, plain=plain, custom=isinstance(item, CustomToolCallOutput),
+            items.append(ToolOutput(item.call_id, parts, custom=isinstance(item, CustomToolCallOutput),
                                     id=item.id, status=item.status, source=path))
-    return tuple(items)
+            shapes[path] = ItemShape(plain)
+    return tuple(items), OpenAIWire(items=shapes)
 
 
 def _question(q: Any, i: int) -> Question:
@@ -366,7 +394,7 @@ def _check_call_ids(items: tuple[Item, ...]) -> None:
 def render_request(request: DecisionRequest, model: str | None = None) -> dict[str, Any]:
     """The wire body for an upstream OpenAI-shaped provider, ``model`` replaced when given."""
     body: dict[str, Any] = {"model": model or request.model}
-    body["input"] = _render_input(request.input)
+    body["input"] = _render_input(request.input, request.wire.get(DIALECT_NAME))
     body["questions"] = [_render_question(q) for q in request.questions]
     if request.prompt_cache_key is not None:
         body["prompt_cache_key"] = request.prompt_cache_key
@@ -412,17 +440,32 @@ def _render_content(parts: tuple[Part, ...], plain: bool, context: str, refusals
     return rendered
 
 
-def _render_input(items: tuple[Item, ...]) -> Any:
-    if len(items) == 1 and isinstance(items[0], Message) and items[0].bare:
-        return items[0].parts[0].text
+def _one_text(item: Item) -> bool:
+    return isinstance(item, (Message, ToolOutput)) and len(item.parts) == 1 and isinstance(item.parts[0], Text)
+
+
+def _shape(item: Item, wire: OpenAIWire | None) -> ItemShape:
+    """The item's recorded shape, or — for a request from another dialect — one text part as a string."""
+    if wire is not None and item.source in wire.items:
+        return wire.items[item.source]
+    return ItemShape(plain=wire is None and _one_text(item))
+
+
+def _render_input(items: tuple[Item, ...], wire: OpenAIWire | None) -> Any:
+    single = len(items) == 1 and isinstance(items[0], Message) and items[0].role == "user" and _one_text(items[0])
+    if single and (wire.bare if wire is not None else True):
+        text = items[0].parts[0]
+        assert isinstance(text, Text)
+        return text.text
     out = []
     for item in items:
         if isinstance(item, Message):
             context = "assistant" if item.role == "assistant" else "input"
-            entry: dict[str, Any] = {"type": "message"} if item.typed else {}
-            entry.update(role=item.role, content=_render_content(item.parts, item.plain, context, item.refusal_parts))
-            if item.phase is not None:
-                entry["phase"] = item.phase
+            shape = _shape(item, wire)
+            entry: dict[str, Any] = {"type": "message"} if shape.typed else {}
+            entry.update(role=item.role, content=_render_content(item.parts, shape.plain, context, shape.refusals))
+            if shape.phase is not None:
+                entry["phase"] = shape.phase
         elif isinstance(item, ToolCall):
             entry = {"type": "custom_tool_call" if item.custom else "function_call", "call_id": item.call_id,
                      "name": item.name, ("input" if item.custom else "arguments"): item.arguments}
@@ -430,7 +473,7 @@ def _render_input(items: tuple[Item, ...]) -> Any:
                           if v is not None})
         else:
             entry = {"type": "custom_tool_call_output" if item.custom else "function_call_output",
-                     "call_id": item.call_id, "output": _render_content(item.parts, item.plain, "input")}
+                     "call_id": item.call_id, "output": _render_content(item.parts, _shape(item, wire).plain, "input")}
             entry.update({k: v for k, v in (("id", item.id), ("status", item.status)) if v is not None})
         out.append(entry)
     return out
@@ -596,4 +639,4 @@ def render_error(error: DecisionError, document: Any = None) -> tuple[int, dict[
     return error.status, error_body(error)
 
 
-DIALECT = WireDialect("openai", parse_request, render_response, render_error)
+DIALECT = WireDialect(DIALECT_NAME, parse_request, render_response, render_error)

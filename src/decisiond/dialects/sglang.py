@@ -119,8 +119,7 @@ def _text_part(value: Any, path: tuple) -> Part:
 
 
 def _input(value: Any) -> Message:
-    plain = isinstance(value, str)
-    return Message("user", (_text_part(value, ("input",)),), plain=plain, bare=plain, source=("input",))
+    return Message("user", (_text_part(value, ("input",)),), source=("input",))
 
 
 def _question(q: Any, i: int) -> Question:

@@ -176,7 +176,7 @@ def _state(state: Any, images: dict[str, Image]) -> Message:
             parts = split
         placed = {id(p) for p in parts if isinstance(p, Image)}
         parts += [img for img in images.values() if id(img) not in placed]
-        return Message("user", tuple(parts), plain=not images, bare=not images, source=source)
+        return Message("user", tuple(parts), source=source)
     return Message("user", (Json(state, source=source), *images.values()), source=source)
 
 

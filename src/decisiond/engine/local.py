@@ -10,10 +10,26 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from .. import probability
-from ..canonical import Answer, DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
+from ..canonical import (
+    Answer,
+    DecisionRequest,
+    DecisionResult,
+    Question,
+    ScoreRequest,
+    ScoreResult,
+    Usage,
+)
 from ..errors import invalid, refused
 from ..text import render_input
-from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
+from .calibration import (
+    CALIBRATIONS,
+    CONTENT_FREE,
+    ORDERS,
+    Profile,
+    VariantEvidence,
+    combine,
+    shifts,
+)
 from .model import LoadedModel
 from .packing import split_rows
 from .prompt import (

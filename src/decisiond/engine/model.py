@@ -143,7 +143,6 @@ def load(spec: str | None = None, dtype: str = "float32", device: str | None = N
          served_name: str | None = None) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

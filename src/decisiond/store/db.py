@@ -13,7 +13,12 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 
 __all__ = ["Database", "database_url", "default_database_path"]
 
