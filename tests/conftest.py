@@ -5,9 +5,23 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import inspect  # noqa: E402
+
 import pytest  # noqa: E402
 
 from servers import start_decisiond  # noqa: E402
+
+# Fixtures that run the real SmolLM2 model. A test that uses one of them, or asks for ``smollm_dir`` itself (not
+# only through the tokenizer the tiny model shares), is marked ``model``: ``pytest -m "not model"`` is the fast
+# everyday subset.
+REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        direct = set(inspect.signature(item.function).parameters) if hasattr(item, "function") else set()
+        if REAL_MODEL_FIXTURES & set(item.fixturenames) or "smollm_dir" in direct:
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

@@ -84,3 +84,55 @@ def test_a_bug_is_a_500_in_the_callers_dialect(broken_app):
     assert systemone.status_code == 500 and systemone.json()["error"]["type"] == "server_error"
     for response in (openai_shape, sglang, systemone):
         assert "boom" not in response.text and response.headers["x-request-id"].startswith("req_")
+
+
+@pytest.fixture()
+def app(tiny_engine):
+    from decisiond.gateway.config import parse
+
+    config = parse({"providers": [{"name": "up", "type": "openai", "base_url": "http://127.0.0.1:9/v1"},
+                                  {"name": "local", "type": "local"}]})
+    router = Router.from_config(config, {"local": tiny_engine})
+    return create_app(router, gateway=Gateway(router, config))
+
+
+def send(app, path: str, content: bytes, headers: dict) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(path, content=content, headers=headers)
+
+    return asyncio.run(go())
+
+
+SGLANG_BODY = b'{"input": "I was charged twice.", "questions": [{"id": "q", "type": "yes_no", "question": "Billing?"}]}'
+
+
+def test_gzip_deflate_and_zstd_bodies(app):
+    import zlib
+
+    gz = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    for encoding, data in (("gzip", gz.compress(SGLANG_BODY) + gz.flush()), ("deflate", zlib.compress(SGLANG_BODY)),
+                           ("identity", SGLANG_BODY)):
+        response = send(app, "/v1/decisions", data, {"content-encoding": encoding,
+                                                       "content-type": "application/json"})
+        assert response.status_code == 200, (encoding, response.text)
+        assert set(response.json()["answers"]["q"]["probabilities"]) == {"yes", "no"}
+    broken = send(app, "/v1/decisions", zlib.compress(SGLANG_BODY)[:-6], {"content-encoding": "deflate"})
+    assert broken.status_code == 400 and "deflate" in broken.json()["message"]
+    import zstandard
+
+    cut = send(app, "/v1/decisions", zstandard.ZstdCompressor().compress(SGLANG_BODY)[:-4],
+               {"content-encoding": "zstd"})
+    assert cut.status_code == 400 and "zstd" in cut.json()["message"] and "ends early" in cut.json()["message"]
+    unknown = send(app, "/v1/decisions", SGLANG_BODY, {"content-encoding": "br"})
+    assert unknown.status_code == 415 and "br" in unknown.json()["message"]
+
+
+def test_score_needs_a_local_model(app):
+    body = b'{"model": "up/gpt-6", "query": "Is this billing? ", "items": ["yes"], "label_token_ids": [1, 2]}'
+    refused = send(app, "/v1/score", body, {"content-type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["object"] == "error"
+    assert "not a local model" in refused.json()["message"] and refused.json()["param"] == "model"
+    served = send(app, "/v1/score", body.replace(b"up/gpt-6", b"local/tiny-random"),
+                  {"content-type": "application/json"})
+    assert served.status_code == 200 and len(served.json()["scores"][0]) == 2

@@ -65,9 +65,13 @@ def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
                 if not more:
                     break
                 out += more
+            declared = zstandard.get_frame_parameters(raw).content_size if raw else 0
+            truncated = (raw and not out) or (0 < declared <= limit and len(out) < declared)
         elif encoding in ("gzip", "x-gzip", "deflate"):
             wbits = 16 + zlib.MAX_WBITS if "gzip" in encoding else zlib.MAX_WBITS
-            out = zlib.decompressobj(wbits).decompress(raw, limit + 1)
+            decoder = zlib.decompressobj(wbits)
+            out = decoder.decompress(raw, limit + 1)
+            truncated = len(out) <= limit and not decoder.eof
         else:
             raise DecisionError(f"Content-Encoding {encoding!r} is not supported; send zstd, gzip, deflate or none.",
                                 code="unsupported_encoding", status=415)
@@ -76,6 +80,9 @@ def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
                             validation=True) from e
     if len(out) > limit:
         raise too_large(limit)
+    if truncated:
+        raise DecisionError(f"The request body is not valid {encoding} data: the compressed stream ends early.",
+                            code="invalid_encoding", validation=True)
     return out
 
 
