@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 from .errors import Path
 
 # A piece of text the prompt renders: a string as is, an object or array as compact JSON.
-TextValue = Union[str, dict, list]
+TextValue = Union[str, dict[str, Any], list[Any]]
 
 QuestionKind = Literal["yes_no", "choice", "score"]
 

@@ -8,6 +8,7 @@ OpenAI's ``param`` string, System One's FastAPI ``loc`` list, SGLang's message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 Path = tuple[str | int, ...]
 
@@ -24,7 +25,7 @@ class DecisionError(Exception):
     validation: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     # Every problem found, FastAPI style ({loc, msg, type}), when the error came from schema validation.
-    details: list[dict] | None = None
+    details: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)

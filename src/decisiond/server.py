@@ -17,6 +17,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import __version__, admin
+from .canonical import ScoreResult
 from .dialects import detect
 from .dialects import openai as openai_dialect
 from .dialects import score as score_dialect
@@ -159,7 +160,7 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
         result = await gateway.pipeline.run(context, parsed)
         headers = dict(context.response_headers)
         fields["resolved_model"] = context.resolved_model
-        if dialect.operation == "score":
+        if isinstance(result, ScoreResult):
             fields["input_tokens"] = result.prompt_tokens
         else:
             fields.update(served_model=result.model, input_tokens=result.usage.input_tokens,

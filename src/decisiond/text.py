@@ -59,7 +59,7 @@ def render_input(items: Sequence[Item], image: ImageText = _no_images) -> str:
         return "\n\n".join(render_part(p, image) for p in ps)
 
     if all(isinstance(item, Message) and item.role == "user" for item in items):
-        return "\n\n".join(render_part(p, image) for item in items for p in item.parts)
+        return "\n\n".join(render_part(p, image) for item in items if isinstance(item, Message) for p in item.parts)
     blocks = []
     for item in items:
         if isinstance(item, Message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncGenerator
 
 import zstandard
 from starlette.datastructures import Headers, UploadFile
@@ -87,7 +87,7 @@ def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
 
 
 async def _multipart(data: bytes, content_type: str) -> tuple[Any, dict[str, UploadedFile]]:
-    async def stream():
+    async def stream() -> AsyncGenerator[bytes, None]:
         yield data
 
     try:

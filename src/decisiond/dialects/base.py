@@ -22,11 +22,16 @@ __all__ = ["Dialect", "WireDialect"]
 
 
 class Dialect(Protocol):
-    name: str
-    # "decide" (a decision request) or "score" (SGLang's /v1/score)
-    operation: Literal["decide", "score"]
-    # Whether an unknown model name is refused (OpenAI) or answered by the served model (System One, SGLang).
-    strict_model: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def operation(self) -> Literal["decide", "score"]:
+        """"decide" (a decision request) or "score" (SGLang's /v1/score)."""
+
+    @property
+    def strict_model(self) -> bool:
+        """Whether an unknown model name is refused (OpenAI) or answered by the served model (System One, SGLang)."""
 
     def parse(self, document: Any, files: Mapping[str, Any]) -> Any: ...
 

@@ -26,7 +26,7 @@ def parse_json(raw: bytes) -> Any:
         raise DecisionError(f"The request body is not valid JSON: {e}", code="invalid_json", validation=True) from e
 
 
-def json_path(loc: tuple, document: Any) -> Path:
+def json_path(loc: Path, document: Any) -> Path:
     """Keep the parts of a pydantic ``loc`` that name keys and indices of ``document``; drop union tags.
 
     A last part that names a missing key is kept too (it is the missing field).
@@ -52,7 +52,7 @@ def _is_tag(part: str) -> bool:
     return "[" in part or ":" in part or part in _TYPE_LABELS
 
 
-def fastapi_loc(loc: tuple, document: Any) -> list[str | int]:
+def fastapi_loc(loc: Path, document: Any) -> list[str | int]:
     """A pydantic ``loc`` as FastAPI reports it, minus the type labels of plain unions (``str``, ``list[any]``):
     keys, indices and discriminator tags (``["questions", "q1", "score", "criteria"]``) stay."""
     out: list[str | int] = []
@@ -116,7 +116,7 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
         msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
                                   if json_path(e["loc"], document) == json_path(best["loc"], document)))
         reason = ", or ".join([msgs[0], *(m[:1].lower() + m[1:] for m in msgs[1:])])
-    details: list[dict] = []
+    details: list[dict[str, Any]] = []
     for e in errors:
         loc, msg = fastapi_loc(e["loc"], document), e["msg"].removeprefix("Value error, ")
         same = next((d for d in details if d["loc"] == loc), None)

@@ -277,11 +277,11 @@ def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     )
 
 
-def _text(text: str, path: tuple, breakpoint: Any = None) -> Text:
+def _text(text: str, path: Path, breakpoint: Any = None) -> Text:
     return Text(text, cache_breakpoint=breakpoint is not None, source=path)
 
 
-def _part(part: Any, path: tuple) -> Part:
+def _part(part: Any, path: Path) -> Part:
     if isinstance(part, (InputText, InstructionText, OutputText)):
         return _text(part.text, path, getattr(part, "prompt_cache_breakpoint", None))
     if isinstance(part, RefusalPart):
@@ -313,7 +313,7 @@ class OpenAIWire:
     items: dict[Path, ItemShape] = field(default_factory=dict)
 
 
-def _content(content: Any, path: tuple) -> tuple[tuple[Part, ...], bool]:
+def _content(content: Any, path: Path) -> tuple[tuple[Part, ...], bool]:
     if isinstance(content, str):
         return (Text(content, source=path),), True
     return tuple(_part(p, (*path, j)) for j, p in enumerate(content)), False
@@ -337,8 +337,9 @@ def _input(value: Any) -> tuple[tuple[Item, ...], OpenAIWire]:
             shapes[path] = ItemShape(plain, item.type is not None, getattr(item, "phase", None), refusals)
         elif isinstance(item, (FunctionCall, CustomToolCall)):
             custom = isinstance(item, CustomToolCall)
-            items.append(ToolCall(item.call_id, item.name, item.input if custom else item.arguments, custom=custom,
-                                  id=item.id, namespace=item.namespace, status=item.status, source=path))
+            arguments = item.input if isinstance(item, CustomToolCall) else item.arguments
+            items.append(ToolCall(item.call_id, item.name, arguments, custom=custom, id=item.id,
+                                  namespace=item.namespace, status=item.status, source=path))
         else:
             parts, plain = _content(item.output, (*path, "output"))
             items.append(ToolOutput(item.call_id, parts, custom=isinstance(item, CustomToolCallOutput),
@@ -452,9 +453,9 @@ def _shape(item: Item, wire: OpenAIWire | None) -> ItemShape:
 
 
 def _render_input(items: tuple[Item, ...], wire: OpenAIWire | None) -> Any:
-    single = len(items) == 1 and isinstance(items[0], Message) and items[0].role == "user" and _one_text(items[0])
-    if single and (wire.bare if wire is not None else True):
-        text = items[0].parts[0]
+    first = items[0] if len(items) == 1 else None
+    if isinstance(first, Message) and first.role == "user" and _one_text(first) and (wire is None or wire.bare):
+        text = first.parts[0]
         assert isinstance(text, Text)
         return text.text
     out = []

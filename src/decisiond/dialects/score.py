@@ -49,10 +49,16 @@ def parse_request(body: Any, files: Any = None) -> ScoreRequest:
         raise invalid("query and items must both be text or both be token ids", "query")
     prompts: list[str | tuple[int, ...]] = []
     for i, item in enumerate(items):
-        joined = (item + query) if parsed.item_first else (query + item)
+        joined: str | tuple[int, ...]
+        if isinstance(query, str):
+            assert isinstance(item, str)
+            joined = (item + query) if parsed.item_first else (query + item)
+        else:
+            assert isinstance(item, list)
+            joined = tuple(item + query) if parsed.item_first else tuple(query + item)
         if not joined:
             raise invalid("the prompt (query and item together) is empty", "items", i)
-        prompts.append(joined if text else tuple(joined))
+        prompts.append(joined)
     labels = parsed.label_token_ids
     if not labels:
         raise invalid("label_token_ids must name at least one token", "label_token_ids",

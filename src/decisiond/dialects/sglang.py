@@ -27,7 +27,7 @@ from ..canonical import (
     Question,
     Text,
 )
-from ..errors import DecisionError, openai_param
+from ..errors import DecisionError, Path, openai_param
 from ..limits import SGLANG
 from ..rules import check_model_name, check_temperature, check_unique
 from ..text import is_blank
@@ -114,7 +114,7 @@ def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     )
 
 
-def _text_part(value: Any, path: tuple) -> Part:
+def _text_part(value: Any, path: Path) -> Part:
     return Text(value, source=path) if isinstance(value, str) else Json(value, source=path)
 
 
@@ -177,7 +177,7 @@ def _render_answer(a: Answer, q: Question) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- errors
 
 
-def where(path: tuple, questions: Any = None) -> str:
+def where(path: Path, questions: Any = None) -> str:
     """``question 'team' (questions[1]).options[0]`` when the path enters a question, else the field."""
     param = openai_param(path) or ""
     if len(path) >= 2 and path[0] == "questions" and isinstance(path[1], int):

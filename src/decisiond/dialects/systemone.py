@@ -13,9 +13,9 @@ import base64
 import binascii
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Mapping, Union
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .. import probability
 from ..canonical import (
@@ -32,7 +32,7 @@ from ..canonical import (
     Text,
     Usage,
 )
-from ..errors import DecisionError, invalid, refused
+from ..errors import DecisionError, invalid, refused, Path
 from ..limits import SYSTEM_ONE
 from ..rules import check_model_name
 from ..text import is_blank, render_input, render_part, render_text
@@ -109,7 +109,7 @@ class SystemOneBody(StrictModel):
 
     @field_validator(*_DECISIONS_ONLY)
     @classmethod
-    def _null_only(cls, value: Any, info) -> Any:
+    def _null_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
             raise ValueError(f"{info.field_name} is a /v1/decisions field; /v1/systemone accepts it only as null")
         return value
@@ -133,7 +133,7 @@ def parse_request(body: Any, files: Any = None) -> DecisionRequest:
     )
 
 
-def _assets(assets: dict[str, AssetModel], files: dict) -> dict[str, Image]:
+def _assets(assets: dict[str, AssetModel], files: Mapping[str, Any]) -> dict[str, Image]:
     images = {}
     for key, asset in assets.items():
         path = ("assets", key)
@@ -180,7 +180,7 @@ def _state(state: Any, images: dict[str, Image]) -> Message:
     return Message("user", (Json(state, source=source), *images.values()), source=source)
 
 
-def _instructions(value: Any, path: tuple) -> tuple[Part, ...]:
+def _instructions(value: Any, path: Path) -> tuple[Part, ...]:
     if is_blank(value):
         return ()
     if isinstance(value, str):
@@ -261,16 +261,16 @@ def render_error(error: DecisionError, document: Any = None) -> tuple[int, dict[
         else:
             detail = [{"loc": ["body", *error.path], "msg": error.message, "type": error.code}]
         return 422, {"detail": detail}
-    body = {"error": {"message": error.message, "type": error.type, "code": error.code}}
+    inner: dict[str, Any] = {"message": error.message, "type": error.type, "code": error.code}
     if error.path:
-        body["error"]["loc"] = ["body", *error.path]
-    return error.status, body
+        inner["loc"] = ["body", *error.path]
+    return error.status, {"error": inner}
 
 
 DIALECT = WireDialect("system_one", parse_request, render_response, render_error, strict_model=False)
 
 
-def models_body(models: list) -> dict[str, Any]:
+def models_body(models: list[Any]) -> dict[str, Any]:
     return {"models": [{"name": m.name, "description": m.description, "release_date": m.release_date}
                        for m in models]}
 
@@ -316,7 +316,7 @@ def image_bytes(image: Image) -> tuple[bytes, str]:
                   code="unsupported_input")
 
 
-def _content(parts: tuple, image) -> Any:
+def _content(parts: tuple[Part, ...], image: Callable[[Image], str]) -> Any:
     """Parts as System One content: one text part as a string, one JSON part as JSON, else joined text."""
     if len(parts) == 1 and isinstance(parts[0], Json):
         return parts[0].data
@@ -362,7 +362,7 @@ def render_request(request: DecisionRequest, model: str) -> Outbound:
     return outbound
 
 
-def _outbound_question(q: Question, image) -> dict[str, Any]:
+def _outbound_question(q: Question, image: Callable[[Image], str]) -> dict[str, Any]:
     out: dict[str, Any] = {"type": {"yes_no": "noul", "choice": "choice", "score": "score"}[q.kind]}
     if q.instructions:
         out["instructions"] = _content(q.instructions, image)

@@ -251,12 +251,12 @@ def check_chains(config: GatewayConfig) -> None:
 
 def interpolate(value: Any, where: str = "") -> Any:
     if isinstance(value, str):
-        def replace(match: re.Match) -> str:
+        def replace(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
             if name in os.environ:
                 return os.environ[name]
             if default is not None:
-                return default
+                return str(default)
             raise ConfigError(f"{where or 'config'}: environment variable {name} is not set")
 
         return _VAR.sub(replace, value)

@@ -4,7 +4,7 @@ HTTP plumbing the upstream ones share."""
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import httpx
 
@@ -104,9 +104,9 @@ def error_message(text: str) -> str:
         if isinstance(error, str):
             return error
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
+            return str(error["message"])
         if isinstance(body.get("message"), str):
-            return body["message"]
+            return str(body["message"])
         detail = body.get("detail")
         if isinstance(detail, str):
             return detail
@@ -146,7 +146,7 @@ class HttpProvider(Provider):
             raise upstream_error(self.name, 502, f"provider {self.name!r} answered with a body that is not JSON",
                                  code="upstream_invalid_response") from e
 
-    def translate(self, parse, *args: Any) -> DecisionResult:
+    def translate(self, parse: Callable[..., DecisionResult], *args: Any) -> DecisionResult:
         """Translate an upstream answer; one that does not fit its wire format is the provider's fault (502)."""
         try:
             return parse(*args)

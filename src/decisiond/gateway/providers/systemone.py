@@ -27,7 +27,8 @@ class SystemOneProvider(HttpProvider):
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         if outbound.files:
             headers["TypeSafe-Danger-Zone-Images"] = "true"
-            files = [("request", (None, json.dumps(outbound.body).encode(), "application/json"))]
+            files: list[tuple[str, tuple[str | None, bytes, str]]] = [
+                ("request", (None, json.dumps(outbound.body).encode(), "application/json"))]
             files += [(name, (name, data, media_type)) for name, data, media_type in outbound.files]
             data = await self.post(f"{self.base_url}/v1/systemone", headers, files=files)
         else:
