@@ -8,7 +8,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import inspect  # noqa: E402
 
 import pytest  # noqa: E402
-
 from servers import start_decisiond  # noqa: E402
 
 # Fixtures that run the real SmolLM2 model. A test that uses one of them, or asks for ``smollm_dir`` itself (not

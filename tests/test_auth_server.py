@@ -11,11 +11,15 @@ import time
 import httpx
 import openai
 import pytest
-from typesafe_sdk import (Noul, RetryPolicy, TypeSafeAuthenticationError, TypeSafeClient,
-                          TypeSafePermissionDeniedError, TypeSafeRateLimitError)
-
 import upstreams
 from servers import start_decisiond
+from typesafe_sdk import (
+    Noul,
+    RetryPolicy,
+    TypeSafeAuthenticationError,
+    TypeSafeClient,
+    TypeSafeRateLimitError,
+)
 
 MASTER = "master-7f3e9c1d5b2a4e6f8091"
 STATIC = "static-key-0a1b2c3d4e5f6789"

@@ -7,10 +7,10 @@ import sqlite3
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from services import start_postgres
 
 from decisiond.store import Database, KeyStore
 from decisiond.store.keys import split_key
-from services import start_postgres
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from servers import start_decisiond
 from services import start_postgres, start_redis
 

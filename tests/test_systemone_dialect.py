@@ -5,13 +5,12 @@ from __future__ import annotations
 import base64
 
 import pytest
+from test_prompt import with_template
 
 from decisiond.canonical import Answer, DecisionResult, Image, Json, Text, Usage
 from decisiond.dialects import systemone as s1
 from decisiond.errors import DecisionError
 from decisiond.transport import UploadedFile
-
-from test_prompt import with_template
 
 
 def parse(**body):

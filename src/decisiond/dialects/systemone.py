@@ -32,7 +32,7 @@ from ..canonical import (
     Text,
     Usage,
 )
-from ..errors import DecisionError, invalid, refused, Path
+from ..errors import DecisionError, Path, invalid, refused
 from ..limits import SYSTEM_ONE
 from ..rules import check_model_name
 from ..text import is_blank, render_input, render_part, render_text
