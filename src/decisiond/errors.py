@@ -10,6 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = [
+    "DecisionError",
+    "FAILOVER_STATUSES",
+    "Path",
+    "UPSTREAM_MESSAGE_LIMIT",
+    "UpstreamError",
+    "invalid",
+    "openai_param",
+    "refused",
+    "upstream_error",
+]
+
 Path = tuple[str | int, ...]
 
 

@@ -19,6 +19,8 @@ from .canonical import (
 )
 from .errors import refused
 
+__all__ = ["ImageText", "is_blank", "question_text", "render_input", "render_part", "render_text"]
+
 
 def render_text(value: Any) -> str:
     if value is None:

@@ -15,6 +15,8 @@ from starlette.requests import Request
 from .dialects.common import parse_json
 from .errors import DecisionError
 
+__all__ = ["MAX_PARTS", "Payload", "UploadedFile", "decompress", "read_body", "read_payload", "too_large"]
+
 MAX_PARTS = 1000
 
 

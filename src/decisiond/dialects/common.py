@@ -10,6 +10,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..errors import DecisionError, Path, invalid
 from ..limits import JSON
 
+__all__ = [
+    "Body",
+    "StrictModel",
+    "check_json_limits",
+    "fastapi_loc",
+    "from_validation",
+    "json_path",
+    "parse_json",
+    "validate_body",
+]
+
 
 class StrictModel(BaseModel):
     """Wire models: no coercion (``1`` is not ``"1"``, ``"true"`` is not ``true``), no unknown keys."""

@@ -14,6 +14,8 @@ from typing import Any
 
 from ..errors import DecisionError
 
+__all__ = ["OPENAI_QUESTION", "OPENAI_TOP", "SGLANG_QUESTION", "decisions_dialect", "render_error"]
+
 OPENAI_TOP = ("prompt_cache_key", "prompt_cache_options", "safety_identifier")
 OPENAI_QUESTION = ("instructions", "name", "choices")
 SGLANG_QUESTION = ("id", "question", "options", "yes", "no")

@@ -41,6 +41,22 @@ from ..text import render_text
 from .base import WireDialect
 from .common import StrictModel, validate_body
 
+__all__ = [
+    "DIALECT",
+    "DIALECT_NAME",
+    "EXTENSION_FIELDS",
+    "DecisionBody",
+    "ItemShape",
+    "OpenAIWire",
+    "error_body",
+    "error_message",
+    "parse_request",
+    "parse_response",
+    "render_error",
+    "render_request",
+    "render_response",
+]
+
 Status = Literal["in_progress", "completed", "incomplete"]
 
 

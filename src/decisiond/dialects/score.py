@@ -19,6 +19,8 @@ from .base import WireDialect
 from .common import StrictModel, validate_body
 from .sglang import DEFAULT_MODEL, render_error
 
+__all__ = ["DIALECT", "ScoreBody", "parse_request", "render_response"]
+
 
 class ScoreBody(StrictModel):
     query: Union[str, list[int], None] = None

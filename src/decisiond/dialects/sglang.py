@@ -34,6 +34,17 @@ from ..text import is_blank
 from .base import WireDialect
 from .common import StrictModel, validate_body
 
+__all__ = [
+    "DEFAULT_MODEL",
+    "DIALECT",
+    "SGLangBody",
+    "error_body",
+    "parse_request",
+    "render_error",
+    "render_response",
+    "where",
+]
+
 DecisionText = Union[str, dict[str, Any], list[Any]]
 
 

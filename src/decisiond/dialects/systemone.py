@@ -39,6 +39,20 @@ from ..text import is_blank, render_input, render_part, render_text
 from .base import WireDialect
 from .common import StrictModel, validate_body
 
+__all__ = [
+    "DIALECT",
+    "IMAGE_TYPES",
+    "Outbound",
+    "SystemOneBody",
+    "image_bytes",
+    "models_body",
+    "parse_request",
+    "parse_response",
+    "render_error",
+    "render_request",
+    "render_response",
+]
+
 Content = Union[str, dict[str, Any], list[Any]]
 
 
@@ -415,7 +429,8 @@ def parse_response(body: Any, request: DecisionRequest, keys: list[str]) -> Deci
     return DecisionResult(
         model=str(body.get("model") or request.model),
         answers=answers,
-        usage=Usage(input_tokens=int(usage.get("input_tokens") or 0), output_tokens=int(usage.get("output_tokens") or 0),
+        usage=Usage(input_tokens=int(usage.get("input_tokens") or 0),
+                    output_tokens=int(usage.get("output_tokens") or 0),
                     cost=usage.get("cost") if isinstance(usage.get("cost"), (int, float)) else None),
         provider_format="system_one",
     )

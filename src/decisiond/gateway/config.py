@@ -37,6 +37,29 @@ from pydantic import (
     model_validator,
 )
 
+__all__ = [
+    "AuthConfig",
+    "ConfigError",
+    "GatewayConfig",
+    "Limits",
+    "MAX_CHAIN_DEPTH",
+    "MAX_USER_PATH",
+    "ModelConfig",
+    "ProviderConfig",
+    "RateLimitConfig",
+    "StaticKeyConfig",
+    "TYPESAFE_HOSTED",
+    "USER_PATH",
+    "UserPathLimit",
+    "VirtualModelConfig",
+    "check_chains",
+    "check_user_path",
+    "interpolate",
+    "known_model",
+    "load",
+    "parse",
+]
+
 MAX_CHAIN_DEPTH = 8
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

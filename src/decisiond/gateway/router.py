@@ -29,6 +29,8 @@ from .providers import build
 from .providers.base import Provider
 from .providers.local import LocalProvider
 
+__all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Router", "Target"]
+
 log = logging.getLogger("decisiond.gateway")
 
 DEFAULT_ALIAS = "default"
@@ -181,7 +183,8 @@ class Router:
             reason = target.unsupported(request)
             if reason is not None:
                 if name in self.virtual:
-                    log.warning("skipping target", extra={"model": name, "target": target.name, "reason": reason.message})
+                    log.warning("skipping target",
+                                extra={"model": name, "target": target.name, "reason": reason.message})
                 skipped.append(reason)
                 continue
             try:

@@ -7,6 +7,8 @@ from urllib.parse import quote
 from ..config import ProviderConfig
 from .openai import OpenAIProvider
 
+__all__ = ["AzureProvider"]
+
 
 class AzureProvider(OpenAIProvider):
     @classmethod

@@ -10,6 +10,8 @@ from ..config import ProviderConfig
 from ..limits import LOCAL
 from .base import Provider
 
+__all__ = ["LocalProvider"]
+
 
 class LocalProvider(Provider):
     format = "local"

@@ -7,6 +7,8 @@ from ...dialects import openai as wire
 from ..config import ProviderConfig
 from .base import HttpProvider
 
+__all__ = ["OpenAIProvider"]
+
 
 class OpenAIProvider(HttpProvider):
     format = "openai"

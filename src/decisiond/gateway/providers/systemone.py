@@ -12,6 +12,8 @@ from ..config import TYPESAFE_HOSTED, ProviderConfig
 from ..limits import SYSTEM_ONE
 from .base import HttpProvider
 
+__all__ = ["SystemOneProvider"]
+
 
 class SystemOneProvider(HttpProvider):
     format = "system_one"
