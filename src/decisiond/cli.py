@@ -10,7 +10,7 @@ import logging
 import sys
 
 from . import __version__, logs
-from .limits import DEFAULT_MAX_BODY_BYTES
+from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("decisiond")
 
@@ -136,7 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error(str(error))
         print(f"decisiond: {error}", file=sys.stderr)
         return 2
-    app = create_app(router, Settings(max_body_bytes=args.max_body_bytes), Gateway(router, config))
+    settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout)
+    app = create_app(router, settings, Gateway(router, config))
     log.info("serving", extra={"host": args.host, "port": args.port})
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
                 timeout_keep_alive=60)
@@ -293,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--config", default=None,
                        help="gateway YAML (providers, models, virtual models); without it, the local model alone")
+    serve.add_argument("--body-read-timeout", type=float, default=BODY_READ_TIMEOUT_S, metavar="SECONDS",
+                       help=f"408 for a client that has not sent its whole body by then (default {BODY_READ_TIMEOUT_S:g})")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="serve a non-loopback host although no API key is configured")
     _add_scheduling_args(serve)

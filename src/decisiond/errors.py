@@ -7,6 +7,7 @@ OpenAI's ``param`` string, System One's FastAPI ``loc`` list, SGLang's message.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,8 +84,26 @@ class UpstreamError(DecisionError):
     provider: str = ""
 
 
+# What credentials look like in an upstream's error text: bearer tokens, sk-/dk- style keys, key=value pairs.
+_CREDENTIALS = re.compile(
+    r"(?i)(bearer\s+)[^\s\"',;]+"
+    r"|\b(?:sk|dk|rk|pk|ak)-[A-Za-z0-9_\-]{6,}"
+    r"|((?:api[_-]?key|access[_-]?token|secret|password|authorization)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;]+")
+REDACTED = "[redacted]"
+
+
+def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` without the given secrets and without anything that looks like a credential."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return _CREDENTIALS.sub(lambda m: (m.group(1) or m.group(2) or "") + REDACTED, text)
+
+
 def upstream_error(provider: str, status: int, message: str, headers: dict[str, str] | None = None,
-                   code: str | None = None) -> UpstreamError:
+                   code: str | None = None, secrets: tuple[str, ...] = ()) -> UpstreamError:
+    """An upstream's error as clients and logs may see it: scrubbed of credentials, cut to 512 characters."""
+    message = scrub(message, secrets)
     message = message if len(message) <= UPSTREAM_MESSAGE_LIMIT else message[: UPSTREAM_MESSAGE_LIMIT - 1] + "…"
     failover = status in FAILOVER_STATUSES or status >= 500
     kind = "rate_limit_error" if status == 429 else "api_error" if status >= 500 else "invalid_request_error"

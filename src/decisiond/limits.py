@@ -9,7 +9,9 @@ import string
 from dataclasses import dataclass
 
 __all__ = [
+    "BODY_READ_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
+    "MAX_DOCUMENT_DEPTH",
     "JSON",
     "LOCAL",
     "OPENAI",
@@ -59,5 +61,9 @@ LOCAL = WireLimits(max_choices=len(string.ascii_uppercase) ** 2, max_levels=len(
 
 # SGLang's /v1/score: items per request.
 SCORE_MAX_ITEMS = 1024
+# Container levels of a whole request body (OpenAI's input_json allows 32 inside it).
+MAX_DOCUMENT_DEPTH = 64
+# Seconds a client may take to send its request body.
+BODY_READ_TIMEOUT_S = 30.0
 # Request bodies, after decompression (``serve --max-body-bytes``).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024

@@ -29,7 +29,7 @@ from .gateway.allowlist import allowed
 from .gateway.pipeline import Caller, Context
 from .gateway.router import Router
 from .gateway.service import Gateway
-from .limits import DEFAULT_MAX_BODY_BYTES
+from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from .transport import read_payload
 
 __all__ = ["ROUTES", "DecisionRoute", "RequestContext", "Settings", "create_app", "serve"]
@@ -43,6 +43,7 @@ ErrorRenderer = Callable[[DecisionError, Any], tuple[int, dict[str, Any]]]
 @dataclass
 class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_read_timeout: float = BODY_READ_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
     fields = request.state.log
     try:
         caller = await _caller(request)
-        payload = await read_payload(request, settings.max_body_bytes)
+        payload = await read_payload(request, settings.max_body_bytes, settings.body_read_timeout)
         if payload.content_encoding != "identity" or payload.multipart:
             fields.update(content_encoding=payload.content_encoding, multipart=payload.multipart)
         dialect = route.choose(payload.document)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator
@@ -14,6 +15,7 @@ from starlette.requests import Request
 
 from .dialects.common import parse_json
 from .errors import DecisionError
+from .limits import BODY_READ_TIMEOUT_S
 
 __all__ = ["MAX_PARTS", "Payload", "UploadedFile", "decompress", "read_body", "read_payload", "too_large"]
 
@@ -39,18 +41,27 @@ def too_large(limit: int) -> DecisionError:
                          status=413)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 once it passes ``limit`` bytes (checked while reading)."""
+async def read_body(request: Request, limit: int, timeout: float = BODY_READ_TIMEOUT_S) -> bytes:
+    """The raw body, refused with 413 once it passes ``limit`` bytes (checked while reading), and with 408 when
+    the client has not sent it all within ``timeout`` seconds (a stalled client holds no slot for long)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def receive() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise DecisionError(f"The request body was not received within {timeout:g} s.", code="request_timeout",
+                            status=408) from None
 
 
 def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
@@ -115,8 +126,8 @@ async def _multipart(data: bytes, content_type: str) -> tuple[Any, dict[str, Upl
     return document, files
 
 
-async def read_payload(request: Request, limit: int) -> Payload:
-    raw = await read_body(request, limit)
+async def read_payload(request: Request, limit: int, timeout: float = BODY_READ_TIMEOUT_S) -> Payload:
+    raw = await read_body(request, limit, timeout)
     encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
     data = decompress(raw, encoding, limit)
     content_type = request.headers.get("content-type", "")

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import DecisionError, Path, invalid
-from ..limits import JSON
+from ..limits import JSON, MAX_DOCUMENT_DEPTH
 
 __all__ = [
     "Body",
@@ -19,6 +19,9 @@ __all__ = [
     "json_path",
     "parse_json",
     "validate_body",
+    "check_document",
+    "answer_number",
+    "malformed_answer",
 ]
 
 
@@ -29,12 +32,47 @@ class StrictModel(BaseModel):
 
 
 def parse_json(raw: bytes) -> Any:
+    """A request body as JSON, refused before any other work when it is not JSON, nests deeper than
+    ``MAX_DOCUMENT_DEPTH`` levels, or holds text that is not valid Unicode (a lone surrogate escape)."""
     if not raw.strip():
         raise DecisionError("The request body is empty; send a JSON object.", code="invalid_json", validation=True)
     try:
-        return json.loads(raw)
+        document = json.loads(raw)
+    except RecursionError:
+        raise _too_deep(()) from None
     except (UnicodeDecodeError, ValueError) as e:
         raise DecisionError(f"The request body is not valid JSON: {e}", code="invalid_json", validation=True) from e
+    check_document(document)
+    return document
+
+
+def _too_deep(path: Path) -> DecisionError:
+    return invalid(f"the request nests deeper than {MAX_DOCUMENT_DEPTH} levels", *path, code="limit_exceeded")
+
+
+def check_document(document: Any) -> None:
+    """Depth and Unicode, checked without recursion; the error names the first field at fault."""
+    stack: list[tuple[Any, Path]] = [(document, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_DOCUMENT_DEPTH:
+            raise _too_deep(path[:MAX_DOCUMENT_DEPTH])
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _check_text(key, path)
+                stack.append((value, (*path, key)))
+        elif isinstance(node, list):
+            stack.extend((value, (*path, i)) for i, value in enumerate(node))
+        elif isinstance(node, str):
+            _check_text(node, path)
+
+
+def _check_text(text: str, path: Path) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid("text holds an unpaired surrogate (\\ud800-\\udfff), which is not valid Unicode", *path,
+                      code="invalid_unicode") from None
 
 
 def json_path(loc: Path, document: Any) -> Path:
@@ -136,6 +174,18 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
         elif msg not in same["msg"]:  # the members of one union failing at one place
             same["msg"] += ", or " + msg[:1].lower() + msg[1:]
     return DecisionError(reason, path, code=code, validation=True, details=details)
+
+
+def malformed_answer(message: str) -> DecisionError:
+    """An upstream answer that does not answer the question asked: the provider's failure (502, failover)."""
+    return DecisionError(message, code="upstream_invalid_response", status=502, type="api_error")
+
+
+def answer_number(value: Any, what: str) -> float:
+    """A number an upstream answer must hold; a missing or non-numeric one is never replaced by a default."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise malformed_answer(f"{what} is {value!r}, not a number")
+    return float(value)
 
 
 def check_json_limits(data: Any, path: Path) -> None:

@@ -39,7 +39,7 @@ from ..limits import OPENAI
 from ..rules import check_temperature, check_unique
 from ..text import render_text
 from .base import WireDialect
-from .common import StrictModel, validate_body
+from .common import StrictModel, answer_number, malformed_answer, validate_body
 
 __all__ = [
     "DIALECT",
@@ -534,8 +534,7 @@ def parse_response(body: Any, request: DecisionRequest) -> DecisionResult:
     from ..canonical import Usage
 
     if not isinstance(body, dict) or not isinstance(body.get("answers"), list):
-        raise DecisionError("the upstream response has no answers list", code="upstream_error", status=502,
-                            type="api_error")
+        raise malformed_answer("the upstream response has no answers list")
     answers = []
     for i, q in enumerate(request.questions):
         raw = body["answers"][i] if i < len(body["answers"]) else {"type": "refusal"}
@@ -554,21 +553,37 @@ def parse_response(body: Any, request: DecisionRequest) -> DecisionResult:
                           provider_format="openai")
 
 
+_WIRE_TYPES = {"yes_no": "predicate", "choice": "choice", "score": "score"}
+
+
 def _parse_answer(raw: Any, q: Question) -> Answer:
+    """One answer, nothing assumed: a missing or mistyped probability is the provider's fault, never a default."""
     if not isinstance(raw, dict) or raw.get("type") == "refusal":
         return Answer(q.kind, q.name, refusal=True)
+    where = f"the answer to question {q.name or q.source}"
+    if raw.get("type") != _WIRE_TYPES[q.kind]:
+        raise malformed_answer(f"{where} has type {raw.get('type')!r}, not {_WIRE_TYPES[q.kind]!r}")
     mass = raw.get("label_mass")
     mass = float(mass) if isinstance(mass, (int, float)) else None
     if q.kind == "yes_no":
-        p = float(raw.get("probability", 0.5))
+        p = answer_number(raw.get("probability"), f"{where}: probability")
         return Answer(q.kind, q.name, probabilities=[p, 1.0 - p], label_mass=mass)
-    probs = raw.get("probabilities") or []
+    probs = raw.get("probabilities")
+    if not isinstance(probs, list) or not all(isinstance(e, dict) for e in probs):
+        raise malformed_answer(f"{where} has no probabilities list")
     if q.kind == "choice":
-        by_value = {(type(e.get("value")), e.get("value")): float(e.get("probability", 0.0)) for e in probs}
-        values = [by_value.get((type(o.value), o.value), 0.0) for o in q.options]
+        by_value = {(type(e.get("value")), e.get("value")): e.get("probability") for e in probs}
+        keys = [(type(o.value), o.value) for o in q.options]
+        stray = [v for _, v in by_value if (type(v), v) not in keys]
+        if stray:
+            raise malformed_answer(f"{where} gives a probability to {stray[0]!r}, which is not one of its choices")
+        if raw.get("choice") is not None and (type(raw["choice"]), raw["choice"]) not in keys:
+            raise malformed_answer(f"{where} chose {raw['choice']!r}, which is not one of its choices")
+        values = [answer_number(by_value.get(k), f"{where}: the probability of {k[1]!r}") for k in keys]
     else:
-        by_index = {e.get("value"): float(e.get("probability", 0.0)) for e in probs}
-        values = [by_index.get(j, 0.0) for j in range(len(q.levels))]
+        by_index = {e.get("value"): e.get("probability") for e in probs}
+        values = [answer_number(by_index.get(j), f"{where}: the probability of level {j}")
+                  for j in range(len(q.levels))]
     confidence = raw.get("confidence")
     return Answer(q.kind, q.name, probabilities=values, label_mass=mass,
                   confidence=float(confidence) if isinstance(confidence, (int, float)) else None)

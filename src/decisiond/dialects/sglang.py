@@ -149,6 +149,10 @@ def _question(q: Any, i: int) -> Question:
 
 
 def render_response(result: DecisionResult, request: DecisionRequest) -> dict[str, Any]:
+    refused_by = next((q for a, q in zip(result.answers, request.questions) if a.refusal), None)
+    if refused_by is not None:  # SGLang's answers have no refusal: the question went unanswered upstream
+        raise DecisionError(f"the provider did not answer question {refused_by.name!r}", code="upstream_refusal",
+                            status=502, type="api_error")
     answers = {q.name: _render_answer(a, q) for a, q in zip(result.answers, request.questions)}
     tokens = int(result.usage.input_tokens)
     usage: dict[str, Any] = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}

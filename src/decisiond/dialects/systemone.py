@@ -37,7 +37,7 @@ from ..limits import SYSTEM_ONE
 from ..rules import check_model_name
 from ..text import is_blank, render_input, render_part, render_text
 from .base import WireDialect
-from .common import StrictModel, validate_body
+from .common import StrictModel, answer_number, malformed_answer, validate_body
 
 __all__ = [
     "DIALECT",
@@ -403,9 +403,8 @@ def _outbound_question(q: Question, image: Callable[[Image], str]) -> dict[str, 
 def parse_response(body: Any, request: DecisionRequest, keys: list[str]) -> DecisionResult:
     """A System One answer mapped back to the questions: choice probabilities by name (booleans restored), level
     probabilities by index; a question without an answer becomes a refusal."""
-    if not isinstance(body, dict) or not isinstance(body.get("answers", {}), dict):
-        raise DecisionError("the System One provider answered without an answers object", code="upstream_error",
-                            status=502, type="api_error")
+    if not isinstance(body, dict) or not isinstance(body.get("answers"), dict):
+        raise malformed_answer("the System One provider answered without an answers object")
     answers = []
     for key, q in zip(keys, request.questions):
         raw = body.get("answers", {}).get(key)
@@ -416,14 +415,22 @@ def parse_response(body: Any, request: DecisionRequest, keys: list[str]) -> Deci
         confidence = raw.get("confidence")
         answer = Answer(q.kind, q.name, label_mass=float(mass) if isinstance(mass, (int, float)) else None,
                         confidence=float(confidence) if isinstance(confidence, (int, float)) else None)
-        probs = raw.get("probabilities") or {}
+        where = f"the answer to {key!r}"
+        wire_type = {"yes_no": "noul", "choice": "choice", "score": "score"}[q.kind]
+        if raw.get("type", wire_type) != wire_type:
+            raise malformed_answer(f"{where} has type {raw.get('type')!r}, not {wire_type!r}")
         if q.kind == "yes_no":
-            p = float(raw.get("noul", 0.5))
+            p = answer_number(raw.get("noul"), f"{where}: noul")
             answer.probabilities = [p, 1.0 - p]
-        elif q.kind == "choice":
-            answer.probabilities = [float(probs.get(o.name, 0.0)) for o in q.options]
         else:
-            answer.probabilities = [float(probs.get(str(i), 0.0)) for i in range(len(q.levels))]
+            probs = raw.get("probabilities")
+            if not isinstance(probs, dict):
+                raise malformed_answer(f"{where} has no probabilities object")
+            names = [o.name for o in q.options] if q.kind == "choice" else [str(i) for i in range(len(q.levels))]
+            stray = [k for k in probs if k not in names]
+            if stray:
+                raise malformed_answer(f"{where} gives a probability to {stray[0]!r}, which it was not asked about")
+            answer.probabilities = [answer_number(probs.get(n), f"{where}: the probability of {n!r}") for n in names]
         answers.append(answer)
     usage = body.get("usage") or {}
     return DecisionResult(

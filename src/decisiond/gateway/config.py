@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 MAX_CHAIN_DEPTH = 8
+# Under the TypeSafe SDK's 10 s per call, so that its retry never races an attempt still running here.
+DEFAULT_DEADLINE = 9.5
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 TYPESAFE_HOSTED = "https://api.typesafe.ai"
@@ -125,8 +127,10 @@ class ProviderConfig(BaseModel):
     order: Literal["given", "cyclic"] | None = None  # local: default option order (else the CLI's)
     calibrate: Literal["none", "contextual"] | None = None  # local: default calibration (else the CLI's)
     calibration: str | None = None  # local: a profile from `decisiond calibrate`
-    timeout: float = 60.0
-    connect_timeout: float = 5.0
+    # Seconds one attempt may take (connect included); short enough by default that a hanging first target
+    # leaves a failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
+    timeout: float = Field(default=4.0, gt=0)
+    connect_timeout: float = Field(default=2.0, gt=0)
     # Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``).
     images: bool | None = None
     limits: Limits | None = None
@@ -167,6 +171,9 @@ class VirtualModelConfig(BaseModel):
     name: str = Field(min_length=1)
     strategy: Literal["failover", "alias"] = "failover"
     targets: list[str] = Field(min_length=1)
+    # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
+    deadline: float | None = Field(default=None, gt=0)
+    attempt_timeout: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _alias_has_one(self) -> "VirtualModelConfig":
@@ -224,6 +231,8 @@ class GatewayConfig(BaseModel):
     # Shared rate-limit counters for several replicas; in-process memory when unset.
     redis_url: str | None = None
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
+    # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
+    deadline: float = Field(default=DEFAULT_DEADLINE, gt=0)
     providers: list[ProviderConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)

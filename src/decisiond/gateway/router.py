@@ -14,17 +14,19 @@ tries them in order:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncContextManager, Callable
+from typing import Any, AsyncContextManager, Callable, Coroutine
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..engine.local import LocalEngine
-from ..errors import DecisionError, UpstreamError
+from ..errors import DecisionError, UpstreamError, upstream_error
 from . import limits
-from .config import GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from .answers import check_result
+from .config import DEFAULT_DEADLINE, ConfigError, GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
 from .providers import build
 from .providers.base import Provider
 from .providers.local import LocalProvider
@@ -96,12 +98,19 @@ class Target:
 
 class Router:
     def __init__(self, providers: dict[str, Provider], models: dict[str, Target],
-                 virtual: dict[str, VirtualModelConfig] | None = None, default_model: str | None = None):
+                 virtual: dict[str, VirtualModelConfig] | None = None, default_model: str | None = None,
+                 deadline: float = DEFAULT_DEADLINE):
         self.providers = providers
         self.models = models
         self.virtual = virtual or {}
         self.default_model = default_model
+        self.deadline = deadline
         self.started = int(time.time())
+        for v in self.virtual.values():  # known at start-up: e.g. local/<typo> names no model of its provider
+            for name in v.targets:
+                if name not in self.virtual and self._target(name) is None:
+                    raise ConfigError(f"virtual model {v.name!r} names {name!r}, which no provider serves")
+        self.serves_decisions = bool(self.model_list(capability="decisions"))
 
     # --------------------------------------------------------------------------------- building
 
@@ -128,7 +137,7 @@ class Router:
             models[m.name] = _target(m, providers[m.provider])
         default = config.default_model or next(
             (f"{p.name}/{engines[p.name].name}" for p in config.providers if p.type == "local"), None)
-        return cls(providers, models, {v.name: v for v in config.virtual_models}, default)
+        return cls(providers, models, {v.name: v for v in config.virtual_models}, default, config.deadline)
 
     # -------------------------------------------------------------------------------- resolving
 
@@ -162,6 +171,9 @@ class Router:
 
     def resolve_name(self, name: str | None, strict: bool) -> str:
         """The model name to route. Lenient dialects (System One, SGLang) send unknown names to the default."""
+        if not self.serves_decisions:  # no provider answers decisions at all: the endpoint itself is not served
+            raise DecisionError("No decision model is configured here, so decision requests are not served.",
+                                ("model",), code="model_not_found", status=404, type="not_found_error")
         if name == DEFAULT_ALIAS and name not in self.models and name not in self.virtual and self.default_model:
             return self.default_model
         if name is not None and self.known(name):
@@ -179,6 +191,9 @@ class Router:
         were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here."""
         skipped: list[DecisionError] = []
         failure: UpstreamError | None = None
+        virtual = self.virtual.get(name)
+        budget = virtual.deadline if virtual is not None and virtual.deadline is not None else self.deadline
+        ends = time.monotonic() + budget
         for target in self.chain(name):
             reason = target.unsupported(request)
             if reason is not None:
@@ -187,11 +202,20 @@ class Router:
                                 extra={"model": name, "target": target.name, "reason": reason.message})
                 skipped.append(reason)
                 continue
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                failure = upstream_error(target.provider.name, 504, f"no answer from {name!r} within its "
+                                         f"{budget:g} s deadline", code="deadline_exceeded")
+                break
+            timeout = None if target.provider.format == "local" else min(remaining, (
+                virtual.attempt_timeout if virtual is not None and virtual.attempt_timeout is not None
+                else target.provider.config.timeout))
             try:
                 async with gate(target) as admission:
-                    result = await target.provider.decide(request, target.upstream)
+                    result = await _within(target.provider.decide(request, target.upstream), timeout, target)
                     if admission is not None:
                         await admission.settle(result.usage.input_tokens)
+                check_result(request, result, target.provider.name)
             except UpstreamError as error:
                 log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
                                                      "failover": error.failover, "reason": error.message})
@@ -248,6 +272,19 @@ class Router:
     async def aclose(self) -> None:
         for provider in self.providers.values():
             await provider.aclose()
+
+
+async def _within(attempt: Coroutine[Any, Any, DecisionResult], seconds: float | None,
+                  target: Target) -> DecisionResult:
+    """One attempt, cancelled (its upstream request closed) when it runs past ``seconds``."""
+    if seconds is None:
+        return await attempt
+    try:
+        return await asyncio.wait_for(attempt, seconds)
+    except asyncio.TimeoutError:
+        name = target.provider.name
+        raise upstream_error(name, 504, f"provider {name!r} timed out: no answer within {seconds:.3g} s",
+                             code="upstream_timeout") from None
 
 
 def _target(m: ModelConfig, provider: Provider) -> Target:

@@ -127,6 +127,11 @@ class HttpProvider(Provider):
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
         )
 
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """What this provider sends that must never be echoed: its key and its configured header values."""
+        return tuple(v for v in (self.config.api_key, *self.config.headers.values()) if v)
+
     async def post(self, url: str, headers: dict[str, str], **kwargs: Any) -> Any:
         """POST and return the JSON body; an unavailable provider or an error status becomes an UpstreamError."""
         try:
@@ -136,10 +141,12 @@ class HttpProvider(Provider):
                                  code="upstream_timeout") from e
         except httpx.HTTPError as e:
             raise upstream_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}: {e}",
+                                 secrets=self.secrets,
                                  code="upstream_unavailable") from e
         if response.status_code >= 400:
             kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
-            raise upstream_error(self.name, response.status_code, error_message(response.text), kept)
+            raise upstream_error(self.name, response.status_code, error_message(response.text), kept,
+                                 secrets=self.secrets)
         try:
             return response.json()
         except ValueError as e:

@@ -8,6 +8,7 @@ import json
 
 from ...canonical import DecisionRequest, DecisionResult
 from ...dialects import systemone as wire
+from ...errors import DecisionError
 from ..config import TYPESAFE_HOSTED, ProviderConfig
 from ..limits import SYSTEM_ONE
 from .base import HttpProvider
@@ -23,6 +24,19 @@ class SystemOneProvider(HttpProvider):
     def images_by_default(cls, config: ProviderConfig) -> bool:
         """TypeSafe's hosted API reads images; Kev, OpenRouter's models and other servers do not."""
         return (config.base_url or "").rstrip("/") == TYPESAFE_HOSTED
+
+    def unsupported(self, request: DecisionRequest) -> DecisionError | None:
+        """Besides text-only servers: an image this provider cannot be sent (a link, not a PNG or JPEG) skips it,
+        without spending an attempt, so that a later target of the chain may take the request."""
+        reason = super().unsupported(request)
+        if reason is not None:
+            return reason
+        for image in request.images():
+            try:
+                wire.image_bytes(image)
+            except DecisionError as error:
+                return error
+        return None
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         outbound = wire.render_request(request, upstream)
