@@ -21,6 +21,8 @@ def pytest_collection_modifyitems(config, items):
         direct = set(inspect.signature(item.function).parameters) if hasattr(item, "function") else set()
         if REAL_MODEL_FIXTURES & set(item.fixturenames) or "smollm_dir" in direct:
             item.add_marker(pytest.mark.model)
+        if "reliability" in item.path.parts:
+            item.add_marker(pytest.mark.reliability)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,12 +50,31 @@ class Settings:
 
 @dataclass(frozen=True)
 class DecisionRoute:
-    """A POST route: which dialect a body speaks, and how errors look before that is known."""
+    """A POST route: which dialect a body speaks, how errors look before that is known, and the wire models its
+    bodies follow (for ``/openapi.json``: the same models the dialects validate with)."""
 
     path: str
     choose: Callable[[Any], Dialect]
     # Errors before the dialect is known (401, an unreadable body, mixed shapes).
     early_error: ErrorRenderer
+    bodies: tuple[type[BaseModel], ...] = ()
+    summary: str = ""
+
+    def openapi(self) -> dict[str, Any]:
+        """The request body schema (one of the wire models) and the error statuses, for schema-driven clients."""
+        schemas = [m.model_json_schema(ref_template="#/components/schemas/{model}") for m in self.bodies]
+        defs: dict[str, Any] = {}
+        for schema in schemas:
+            defs.update(schema.pop("$defs", {}))
+        body = schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
+        return {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {str(status): {"description": text} for status, text in (
+                (400, "invalid request, in the route's error shape"), (401, "no or bad API key"),
+                (403, "model not allowed"), (413, "body too large"), (422, "System One validation error"),
+                (429, "rate limited"), (502, "upstream failed"))},
+            "x-components": defs,
+        }
 
 
 def _decisions_dialect(document: Any) -> Dialect:
@@ -62,9 +83,13 @@ def _decisions_dialect(document: Any) -> Dialect:
 
 
 ROUTES = (
-    DecisionRoute("/v1/decisions", _decisions_dialect, detect.render_error),
-    DecisionRoute("/v1/systemone", lambda document: systemone_dialect.DIALECT, systemone_dialect.render_error),
-    DecisionRoute("/v1/score", lambda document: score_dialect.DIALECT, sglang_dialect.render_error),
+    DecisionRoute("/v1/decisions", _decisions_dialect, detect.render_error,
+                  (openai_dialect.DecisionBody, sglang_dialect.SGLangBody),
+                  "OpenAI's Decisions API or SGLang's /v1/decisions (the body's keys tell which)"),
+    DecisionRoute("/v1/systemone", lambda document: systemone_dialect.DIALECT, systemone_dialect.render_error,
+                  (systemone_dialect.SystemOneBody,), "TypeSafe's System One API"),
+    DecisionRoute("/v1/score", lambda document: score_dialect.DIALECT, sglang_dialect.render_error,
+                  (score_dialect.ScoreBody,), "SGLang's /v1/score"),
 )
 
 INTERNAL_ERROR = DecisionError("Internal server error.", code="internal_error", status=500, type="server_error")
@@ -201,8 +226,21 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.state.settings = settings or Settings()
     app.add_middleware(RequestContext)
 
+    components: dict[str, Any] = {}
     for route in ROUTES:
-        app.add_api_route(route.path, _endpoint(route), methods=["POST"], name=route.path.rsplit("/", 1)[-1])
+        extra = route.openapi()
+        components.update(extra.pop("x-components"))
+        app.add_api_route(route.path, _endpoint(route), methods=["POST"], name=route.path.rsplit("/", 1)[-1],
+                          summary=route.summary, openapi_extra=extra)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/v1/models")
     async def models(request: Request, capability: str | None = None) -> Any:
