@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import httpx
-
 from servers import start_decisiond
 
 MASTER = "fuzz-master-key-0123456789"

@@ -12,10 +12,9 @@ import time
 import httpx
 import openai
 import pytest
-from typesafe_sdk import Choice, Noul, RetryPolicy, TypeSafeClient
-
 import upstreams
 from servers import start_decisiond
+from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
 UPSTREAM_KEY = "sk-upstream-reliability-7f6e5d"
 
