@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None,
                        help="gateway YAML (providers, models, virtual models); without it, the local model alone")
     serve.add_argument("--body-read-timeout", type=float, default=BODY_READ_TIMEOUT_S, metavar="SECONDS",
-                       help=f"408 for a client whose whole body has not arrived by then (default {BODY_READ_TIMEOUT_S:g})")
+                       help="408 for a client whose whole body has not arrived by then "
+                            f"(default {BODY_READ_TIMEOUT_S:g})")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="serve a non-loopback host although no API key is configured")
     _add_scheduling_args(serve)
