@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import __version__, admin
+from . import __version__, admin, chat
 from .canonical import ScoreResult
 from .dialects import detect
 from .dialects import openai as openai_dialect
@@ -266,4 +266,5 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
         return {"status": "ok", "models": [m.name for m in router.model_list()], "version": __version__}
 
     app.include_router(admin.router)
+    app.include_router(chat.router)
     return app

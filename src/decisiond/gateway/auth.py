@@ -13,6 +13,7 @@ import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ..errors import DecisionError
 from ..store.keys import KeyRecord, KeyStore
@@ -85,7 +86,7 @@ class Authenticator:
         if static is not None:
             return Caller(key_id=f"static:{static.name}", name=static.name, user_path=static.user_path,
                           models=tuple(static.models) if static.models is not None else None,
-                          rate_limits=static.rate_limits)
+                          rate_limits=static.rate_limits, guardrails=tuple(static.guardrails))
         record = await self._managed(key, digest)
         if record is None:
             raise unauthorized("Invalid API key.")
@@ -127,7 +128,7 @@ class Authenticator:
         if not (caller.master or caller.key_id is None) and not in_subtree(asked, caller.user_path):
             raise forbidden(f"this key is bound to user path {caller.user_path!r} and may only name paths below it",
                             code="user_path_not_allowed")
-        return Caller(caller.key_id, caller.name, asked, caller.models, caller.rate_limits, caller.master)
+        return replace(caller, user_path=asked)
 
     @staticmethod
     def require_master(caller: Caller) -> None:

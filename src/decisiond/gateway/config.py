@@ -37,6 +37,8 @@ from pydantic import (
     model_validator,
 )
 
+from .guardrails import GuardrailConfig
+
 __all__ = [
     "AuthConfig",
     "ConfigError",
@@ -163,6 +165,7 @@ class ModelConfig(BaseModel):
     images: bool | None = None
     description: str = ""
     rate_limits: RateLimitConfig | None = None
+    guardrails: list[str] = Field(default_factory=list)
 
 
 class VirtualModelConfig(BaseModel):
@@ -174,6 +177,7 @@ class VirtualModelConfig(BaseModel):
     # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
     deadline: float | None = Field(default=None, gt=0)
     attempt_timeout: float | None = Field(default=None, gt=0)
+    guardrails: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _alias_has_one(self) -> "VirtualModelConfig":
@@ -194,6 +198,7 @@ class StaticKeyConfig(BaseModel):
     user_path: str = "/"
     models: list[str] | None = None
     rate_limits: RateLimitConfig | None = None
+    guardrails: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_secret(self) -> "StaticKeyConfig":
@@ -233,6 +238,7 @@ class GatewayConfig(BaseModel):
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
     # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
     deadline: float = Field(default=DEFAULT_DEADLINE, gt=0)
+    guardrails: list[GuardrailConfig] = Field(default_factory=list)
     providers: list[ProviderConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
@@ -253,6 +259,15 @@ class GatewayConfig(BaseModel):
         if len(set(model_names)) != len(model_names):
             raise ValueError("model and virtual model names must be unique")
         check_chains(self)
+        defined = {g.name for g in self.guardrails}
+        if len(defined) != len(self.guardrails):
+            raise ValueError("guardrail names must be unique")
+        for owner, names in [*((f"model {m.name!r}", m.guardrails) for m in self.models),
+                             *((f"virtual model {v.name!r}", v.guardrails) for v in self.virtual_models),
+                             *((f"key {k.name!r}", k.guardrails) for k in self.auth.keys)]:
+            unknown = [n for n in names if n not in defined]
+            if unknown:
+                raise ValueError(f"{owner} names unknown guardrail {unknown[0]!r}")
         return self
 
 

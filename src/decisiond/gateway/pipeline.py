@@ -1,7 +1,7 @@
 """The gateway's spine: every decision and score request, whatever its route and dialect, runs through one
 ordered chain of small stages between parsing and rendering.
 
-    request limits → resolve model → allowlist → rate limits → (budgets, guardrails, cache) → route (failover)
+    request limits → resolve model → allowlist → rate limits → guardrails → (budgets, cache) → route (failover)
 
 Each stage is an async callable ``stage(context, request, call_next) -> result``: it may look at or change the
 context, refuse by raising a ``DecisionError`` (which the server renders in the caller's dialect), or wrap the
@@ -45,6 +45,8 @@ class Caller:
     # The key's own rate limits (a RateLimitConfig), if any.
     rate_limits: Any = None
     master: bool = False
+    # Guardrails attached to the key (names from the config), run on top of the model's.
+    guardrails: tuple[str, ...] = ()
 
 
 @dataclass

@@ -30,6 +30,7 @@ from .config import DEFAULT_DEADLINE, ConfigError, GatewayConfig, ModelConfig, P
 from .providers import build
 from .providers.base import Provider
 from .providers.local import LocalProvider
+from .providers.openai import OpenAIProvider
 
 __all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Router", "Target"]
 
@@ -232,6 +233,20 @@ class Router:
         raise skipped[0] if len(skipped) == 1 or name not in self.virtual else DecisionError(
             f"no target of {name!r} can answer this request: " + "; ".join(s.message for s in skipped),
             skipped[0].path, code=skipped[0].code)
+
+    def chat_target(self, name: str) -> Target:
+        """The target for chat traffic: an OpenAI-shaped provider's model that is not decisions-only. A decision model
+        is refused with a pointer to /v1/decisions (as a chat model is refused there)."""
+        candidates = self.chain(name)
+        if not candidates:
+            raise DecisionError(f"The model {name!r} does not exist or is not served here.", ("model",),
+                                code="model_not_found", status=404, type="not_found_error")
+        for target in candidates:
+            configured = target.name in self.models
+            if isinstance(target.provider, OpenAIProvider) and (not configured or "chat" in target.capabilities):
+                return target
+        raise DecisionError(f"model {name!r} is a decision model: send its requests to /v1/decisions", ("model",),
+                            code="model_not_supported")
 
     def local_target(self, name: str | None) -> Target:
         chosen = self.resolve_name(name, strict=False)

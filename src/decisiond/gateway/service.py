@@ -7,11 +7,12 @@ import logging
 import os
 from typing import Any
 
-from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
+from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text
 from ..store import Database, KeyStore
 from .allowlist import Allowlist
 from .auth import Authenticator
 from .config import GatewayConfig
+from .guardrails import GuardrailConfig, GuardrailSet, GuardrailStage, judge_question
 from .limits import RequestLimits
 from .pipeline import Context, Pipeline, Stage
 from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
@@ -41,7 +42,12 @@ class Gateway:
             providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
         self.db: Database | None = None
         self.keys: KeyStore | None = None
-        stages: list[Stage] = [RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter)]
+        self.guardrails = GuardrailSet(
+            {g.name: g for g in config.guardrails}, judge=self._judge,
+            by_model={**{m.name: m.guardrails for m in config.models if m.guardrails},
+                      **{v.name: v.guardrails for v in config.virtual_models if v.guardrails}})
+        stages: list[Stage] = [RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter),
+                               GuardrailStage(self.guardrails)]
         self.pipeline = Pipeline(stages, self._route)
 
     @staticmethod
@@ -69,6 +75,17 @@ class Gateway:
         await self.limiter.aclose()
         if self.db is not None:
             await self.db.aclose()
+
+    async def _judge(self, guardrail: GuardrailConfig, text: str) -> float:
+        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names."""
+        request = DecisionRequest(input=(Message("user", (Text(text),)),), questions=(judge_question(guardrail),),
+                                  model=guardrail.model)
+        name = self.router.resolve_name(guardrail.model, strict=True)
+        result = await self.router.decide(request, name)
+        answer = result.answers[0]
+        if answer.refusal:
+            raise RuntimeError(f"the judge model {guardrail.model!r} did not answer")
+        return answer.probabilities[0]
 
     async def _route(self, context: Context, request: Any) -> Any:
         tokens = estimated_tokens(request)

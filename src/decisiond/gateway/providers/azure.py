@@ -17,9 +17,11 @@ class AzureProvider(OpenAIProvider):
         if not config.api_version:
             raise ValueError(f"provider {config.name!r} (azure) needs an api_version")
 
-    def url(self, upstream: str) -> str:
+    def url(self, upstream: str, route: str = "decisions") -> str:
         deployment = quote(upstream, safe="")
-        return f"{self.base_url}/openai/deployments/{deployment}/decisions?api-version={self.config.api_version}"
+        if route == "responses":  # Azure's Responses API is per resource, the deployment named in the body
+            return f"{self.base_url}/openai/responses?api-version={self.config.api_version}"
+        return f"{self.base_url}/openai/deployments/{deployment}/{route}?api-version={self.config.api_version}"
 
     def auth(self) -> dict[str, str]:
         return {"api-key": self.config.api_key} if self.config.api_key else {}

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
+
 from ...canonical import DecisionRequest, DecisionResult
 from ...dialects import openai as wire
+from ...errors import upstream_error
 from ..config import ProviderConfig
 from .base import HttpProvider
 
@@ -18,8 +23,24 @@ class OpenAIProvider(HttpProvider):
     def images_by_default(cls, config: ProviderConfig) -> bool:
         return True
 
-    def url(self, upstream: str) -> str:
-        return f"{self.base_url}/decisions"
+    def url(self, upstream: str, route: str = "decisions") -> str:
+        """``route``: decisions, chat/completions or responses."""
+        return f"{self.base_url}/{route}"
+
+    async def forward(self, route: str, body: dict[str, Any], upstream: str) -> httpx.Response:
+        """Chat traffic (``chat/completions``, ``responses``) as sent, model replaced; the response is opened as a
+        stream so that server-sent events pass through as they come. The caller closes it."""
+        request = self.client.build_request("POST", self.url(upstream, route),
+                                            headers={**self.config.headers, **self.auth()},
+                                            json={**body, "model": upstream})
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.TimeoutException as e:
+            raise upstream_error(self.name, 504, f"provider {self.name!r} timed out: {type(e).__name__}",
+                                 code="upstream_timeout") from e
+        except httpx.HTTPError as e:
+            raise upstream_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}",
+                                 code="upstream_unavailable") from e
 
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
