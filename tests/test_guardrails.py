@@ -319,3 +319,15 @@ def test_a_decision_redaction_reaches_the_provider_and_untouched_json_stays_iden
     assert content[0]["text"] == "Refund [EMAIL] please"
     assert content[1]["data"] == untouched and content[2]["data"] == {"contact": "[EMAIL]"}
     assert sent["questions"][0]["instructions"] == "Does ops@example.com matter?"
+
+
+def test_responses_api_is_forwarded_with_its_prompt_guarded(gateway, ups):
+    r = httpx.post(gateway.url + "/v1/responses", json={
+        "model": "gpt-chat", "instructions": "Be brief.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Mail ana@example.com"}]}]}, timeout=30)
+    assert r.status_code == 200
+    seen = ups["CHAT"].seen[-1]
+    assert seen["path"] == "/v1/responses" and seen["body"]["model"] == "gpt-6"
+    assert seen["body"]["input"][0]["content"][0]["text"] == "Mail [EMAIL]"
+    blocked = httpx.post(gateway.url + "/v1/responses", json={"model": "gpt-chat", "input": INJECTION}, timeout=30)
+    assert blocked.status_code == 400 and blocked.json()["error"]["code"] == "guardrail_blocked"
