@@ -99,3 +99,36 @@ def test_only_a_salted_hash_is_stored(tmp_path):
         assert key.split("-", 2)[2].encode() not in raw
     rows = sqlite3.connect(path).execute("SELECT salt, secret_hash FROM api_keys").fetchall()
     assert len({salt for salt, _ in rows}) == 2 and all(len(h) == 64 for _, h in rows)
+
+
+def test_keys_cli_creates_lists_and_revokes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path}/cli.sqlite3"
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "decisiond.cli", "keys", "--database-url", url, *args],
+                              capture_output=True, text=True, timeout=120)
+
+    created = cli("create", "--name", "ci", "--user-path", "/ci", "--models", "tiny,openai/*", "--rpm", "5")
+    assert created.returncode == 0, created.stderr
+    record = json.loads(created.stdout)
+    assert record["key"].startswith("dk-") and record["models"] == ["tiny", "openai/*"]
+    assert record["rate_limits"] == {"requests_per_minute": 5} and "shown once" in created.stderr
+    listed = cli("list")
+    assert record["id"] in listed.stdout and record["key"].split("-", 2)[2] not in listed.stdout
+    assert cli("revoke", record["id"]).returncode == 0
+    assert "revoked" in cli("list").stdout
+    assert cli("revoke", "nope").returncode == 1
+    assert cli("create", "--name", "x", "--user-path", "bad").returncode == 2
+
+    async def verify():
+        db = await Database.open(url)
+        try:
+            return await KeyStore(db).verify(record["key"])
+        finally:
+            await db.aclose()
+
+    assert run(verify()).status() == "revoked"
