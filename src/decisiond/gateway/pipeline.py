@@ -66,6 +66,12 @@ class Context:
     outcomes: dict[str, str] = field(default_factory=dict)
     # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
     response_headers: dict[str, str] = field(default_factory=dict)
+    # For the usage record: the targets the router tried (in order), the one that answered (provider, name), and
+    # the request's cost in USD once known; a cache stage sets cache_hit.
+    targets_tried: list[str] = field(default_factory=list)
+    answered_by: tuple[str, str] | None = None
+    cost: float | None = None
+    cache_hit: bool = False
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]
