@@ -9,14 +9,14 @@ import time
 import httpx
 import openai
 import pytest
+import upstreams
+from servers import start_decisiond
+from services import start_postgres
 from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
-import upstreams
 from decisiond.canonical import Usage
 from decisiond.gateway import pricing
 from decisiond.gateway.config import ConfigError, parse
-from servers import start_decisiond
-from services import start_postgres
 
 MASTER = "usage-master-key-0123456789"
 ALICE = "usage-alice-key-0123456789"
@@ -332,3 +332,29 @@ def test_stopping_postgres_for_10_s_under_load_loses_no_request_and_no_usage_rec
         assert "database unavailable" in server.log()  # the outage was real, and logged
     finally:
         server.stop()
+
+
+def test_cli_prints_the_summary_as_a_table(gateway, database):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "decisiond.cli", "usage", "--database-url", database,
+                          "--group-by", "request_type"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["request_type", "requests", "input_tokens", "output_tokens", "cost_usd"]
+    summary = httpx.get(gateway.url + "/admin/usage/summary", headers=ADMIN,
+                        params={"group_by": "request_type"}).json()["data"]
+    assert sorted(line.split()[:2] for line in lines[1:]) == sorted([s["request_type"], str(s["requests"])]
+                                                                    for s in summary)
+
+
+def test_logged_bodies_are_redacted():
+    from decisiond.gateway.usage import redact
+
+    body = {"input": "hi", "metadata": {"api_key": "sk-secret", "Authorization": "Bearer x", "email": "a@b.c"},
+            "questions": [{"name": "q", "password": "p"}]}
+    assert redact(body, ["email"]) == {"input": "hi", "metadata": {"api_key": "[redacted]",
+                                                                   "Authorization": "[redacted]",
+                                                                   "email": "[redacted]"},
+                                       "questions": [{"name": "q", "password": "[redacted]"}]}

@@ -27,9 +27,9 @@ from ..errors import DecisionError, UpstreamError, upstream_error
 from . import limits
 from .answers import check_result
 from .config import DEFAULT_DEADLINE, ConfigError, GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from .pricing import Pricing
 from .providers import build
 from .providers.base import Provider
-from .pricing import Pricing
 from .providers.local import LocalProvider
 
 __all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Router", "Target"]
