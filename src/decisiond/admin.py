@@ -3,12 +3,21 @@
 - ``POST /admin/keys`` ``{name, user_path?, models?, rate_limits?, expires_at? | expires_in_seconds?}`` → 201 with
   the key's record and, this once, its secret ``key``;
 - ``GET /admin/keys`` → the records, never a secret;
-- ``DELETE /admin/keys/{id}`` → the revoked record.
+- ``DELETE /admin/keys/{id}`` → the revoked record;
+- ``GET /admin/usage/summary`` and ``GET /admin/usage/daily`` ``?group_by=key,user_path,model,provider,request_type
+  &start=&end=`` (ISO dates or times, UTC; plus the audit filters) → totals of requests, tokens and cost;
+- ``GET /admin/audit`` ``?request_type=&key=&user_path=&model=&provider=&status=&start=&end=&limit=&before_id=`` →
+  usage rows newest first, a page at a time (``next_before_id``);
+- ``GET /admin/budgets`` (with each one's spend this period), ``PUT /admin/budgets`` ``{key | user_path | model,
+  limit_usd, period | period_seconds}`` (the same scope and period replace the limit), ``DELETE /admin/budgets/{id}``.
+
+Any key: ``GET /v1/usage`` → its own spend, its budgets (``remaining_usd``, ``resets_in_seconds``) and its live
+rate-limit counters.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,15 +27,19 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 from .dialects import openai as openai_dialect
 from .dialects.common import StrictModel, validate_body
 from .errors import DecisionError
+from .gateway import usage
 from .gateway.auth import Authenticator
-from .gateway.config import RateLimitConfig, check_user_path
+from .gateway.config import BudgetConfig, RateLimitConfig, check_user_path
+from .gateway.pipeline import Caller
 from .gateway.service import Gateway
+from .limits import AUDIT_PAGE_MAX
 from .store.keys import KeyStore
 from .transport import read_payload
 
-__all__ = ["KeyCreate", "router"]
+__all__ = ["KeyCreate", "router", "self_service"]
 
 router = APIRouter(prefix="/admin")
+self_service = APIRouter()
 
 ADMIN_BODY_LIMIT = 64 * 1024
 MAX_MODEL_PATTERNS = 100
@@ -114,3 +127,162 @@ async def revoke_key(request: Request, key_id: str) -> Any:
     gateway: Gateway = request.app.state.gateway
     gateway.auth.forget()
     return record.public()
+
+
+# ------------------------------------------------------------------------------------- usage, audit, budgets
+
+
+async def _master_db(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    caller = await gateway.auth.authenticate(request.headers)
+    Authenticator.require_master(caller)
+    if gateway.db is None:
+        raise DecisionError("usage, audit and budgets need a database; none is open (set database_url or a master "
+                            "key)", code="no_database", status=503, type="server_error")
+    return gateway
+
+
+def _bad(param: str, message: str) -> DecisionError:
+    return DecisionError(f"{param}: {message}", (param,), code="invalid_value")
+
+
+def _time(params: Any, name: str, end: bool = False) -> datetime | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    try:
+        if len(value) == 10:  # a date: the start of that UTC day; an end date includes the whole day
+            day = date.fromisoformat(value)
+            moment = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+            return moment + timedelta(days=1) if end else moment
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise _bad(name, f"{value[:40]!r} is not an ISO date (2026-12-01) or time (2026-12-01T10:00:00Z)") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def _filter(params: Any) -> usage.UsageFilter:
+    request_type = params.get("request_type")
+    if request_type is not None and request_type not in usage.REQUEST_TYPES:
+        raise _bad("request_type", f"must be one of {', '.join(usage.REQUEST_TYPES)}, got {request_type[:40]!r}")
+    status = params.get("status")
+    if status is not None and not status.isdigit():
+        raise _bad("status", f"must be an HTTP status such as 200 or 402, got {status[:40]!r}")
+    user_path = params.get("user_path")
+    if user_path is not None:
+        try:
+            check_user_path(user_path)
+        except ValueError as e:
+            raise _bad("user_path", str(e)) from None
+    return usage.UsageFilter(start=_time(params, "start"), end=_time(params, "end", end=True),
+                             request_type=request_type, key_id=params.get("key"), user_path=user_path,
+                             model=params.get("model"), provider=params.get("provider"),
+                             status=int(status) if status is not None else None)
+
+
+def _group_by(params: Any) -> list[str]:
+    raw = params.get("group_by")
+    groups = [g.strip() for g in raw.split(",") if g.strip()] if raw else []
+    unknown = [g for g in groups if g not in usage.GROUPS]
+    if unknown:
+        raise _bad("group_by", f"unknown group {unknown[0][:40]!r}; use {', '.join(usage.GROUPS)}")
+    return list(dict.fromkeys(groups))
+
+
+@router.get("/usage/summary")
+async def usage_summary(request: Request) -> Any:
+    try:
+        gateway = await _master_db(request)
+        groups, where = _group_by(request.query_params), _filter(request.query_params)
+    except DecisionError as error:
+        return _error(error)
+    assert gateway.db is not None
+    return {"object": "list", "group_by": groups, "data": await usage.summary(gateway.db, groups, where)}
+
+
+@router.get("/usage/daily")
+async def usage_daily(request: Request) -> Any:
+    try:
+        gateway = await _master_db(request)
+        groups, where = _group_by(request.query_params), _filter(request.query_params)
+    except DecisionError as error:
+        return _error(error)
+    assert gateway.db is not None
+    return {"object": "list", "group_by": groups, "data": await usage.daily(gateway.db, groups, where)}
+
+
+@router.get("/audit")
+async def audit_log(request: Request) -> Any:
+    params = request.query_params
+    try:
+        gateway = await _master_db(request)
+        where = _filter(params)
+        limit, before = params.get("limit", "100"), params.get("before_id")
+        if not limit.isdigit() or not 1 <= int(limit) <= AUDIT_PAGE_MAX:
+            raise _bad("limit", f"must be an integer from 1 to {AUDIT_PAGE_MAX}")
+        if before is not None and not before.isdigit():
+            raise _bad("before_id", "must be a row id from next_before_id")
+    except DecisionError as error:
+        return _error(error)
+    assert gateway.db is not None
+    rows, following = await usage.audit(gateway.db, where, int(limit), int(before) if before else None)
+    return {"object": "list", "data": rows, "next_before_id": following}
+
+
+@router.get("/budgets")
+async def list_budgets(request: Request) -> Any:
+    try:
+        gateway = await _master_db(request)
+    except DecisionError as error:
+        return _error(error)
+    assert gateway.budgets is not None
+    gateway.budgets._cache = None
+    return {"object": "list", "data": await gateway.budgets.spend(await gateway.budgets.budgets())}
+
+
+@router.put("/budgets")
+async def put_budget(request: Request) -> Any:
+    try:
+        gateway = await _master_db(request)
+        payload = await read_payload(request, ADMIN_BODY_LIMIT)
+        body = validate_body(BudgetConfig, payload.document)
+    except DecisionError as error:
+        return _error(error)
+    assert gateway.budgets is not None
+    view = await gateway.budgets.put(body, "admin")
+    return (await gateway.budgets.spend([view]))[0]
+
+
+@router.delete("/budgets/{budget_id}")
+async def delete_budget(request: Request, budget_id: str) -> Any:
+    try:
+        gateway = await _master_db(request)
+        assert gateway.budgets is not None
+        if not await gateway.budgets.delete(budget_id):
+            raise DecisionError(f"no budget with id {budget_id[:40]!r}", ("id",), code="budget_not_found", status=404)
+    except DecisionError as error:
+        return _error(error)
+    return {"id": budget_id, "deleted": True}
+
+
+@self_service.get("/v1/usage")
+async def own_usage(request: Request) -> Any:
+    """The caller's own spend, budgets and rate-limit counters (any key)."""
+    gateway: Gateway = request.app.state.gateway
+    try:
+        caller: Caller = await gateway.auth.authenticate(request.headers)
+    except DecisionError as error:
+        return _error(error)
+    out: dict[str, Any] = {"object": "usage", "key": caller.key_id, "user_path": caller.user_path,
+                           "rate_limits": await gateway.limiter.counters(caller)}
+    if gateway.db is None or gateway.budgets is None:
+        out.update(spend=None, budgets=[])
+        return out
+    try:
+        out["spend"] = await usage.key_spend(gateway.db, caller.key_id, caller.user_path)
+        mine = [b for b in await gateway.budgets.budgets() if b.model is None and b.applies(caller, ())]
+        out["budgets"] = await gateway.budgets.spend(mine)
+    except Exception:
+        return _error(DecisionError("usage is unavailable: the database cannot be reached", code="no_database",
+                                    status=503, type="server_error"))
+    return out

@@ -282,6 +282,52 @@ def cmd_keys(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    """Usage totals from the database the server writes to (the same query as ``GET /admin/usage/summary``),
+    printed as a table."""
+    import os
+    from datetime import date, datetime, timedelta, timezone
+
+    from .gateway import usage
+    from .gateway.config import ConfigError
+    from .gateway.service import DATABASE_URL_ENV
+    from .store import Database
+
+    try:
+        config = _load_config(args)
+        groups = [g.strip() for g in args.group_by.split(",") if g.strip()]
+        unknown = [g for g in groups if g not in usage.GROUPS]
+        if unknown:
+            raise ConfigError(f"--group-by: unknown group {unknown[0]!r}; use {', '.join(usage.GROUPS)}")
+        start = datetime.combine(date.fromisoformat(args.start), datetime.min.time(), timezone.utc) \
+            if args.start else None
+        end = datetime.combine(date.fromisoformat(args.end), datetime.min.time(), timezone.utc) + timedelta(days=1) \
+            if args.end else None
+    except (ConfigError, ValueError) as error:
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    url = args.database_url or (config.database_url if config else None) or os.environ.get(DATABASE_URL_ENV)
+
+    async def run() -> list[dict]:  # type: ignore[type-arg]
+        db = await Database.open(url)
+        try:
+            return await usage.summary(db, groups, usage.UsageFilter(start=start, end=end,
+                                                                     request_type=args.request_type))
+        finally:
+            await db.aclose()
+
+    rows = asyncio.run(run())
+    headers = [*groups, "requests", "input_tokens", "output_tokens", "cost_usd"]
+    cells = [[str(r[g]) if r[g] is not None else "-" for g in groups]
+             + [str(r["requests"]), str(r["input_tokens"]), str(r["output_tokens"]), f"{r['cost_usd']:.6f}"]
+             for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    for c in cells:
+        print("  ".join(v.ljust(w) if i < len(groups) else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decisiond", description="Decision models from any chat LLM.")
     parser.add_argument("--version", action="version", version=f"decisiond {__version__}")
@@ -350,6 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("id")
     keys.set_defaults(func=cmd_keys)
+
+    usage_cmd = sub.add_parser("usage", help="print usage and cost totals from the database as a table")
+    usage_cmd.add_argument("--config", default=None, help="the gateway YAML whose database_url to use")
+    usage_cmd.add_argument("--database-url", default=None, help="sqlite:///path or postgresql://user@host/db")
+    usage_cmd.add_argument("--group-by", default="model",
+                           help="comma-separated: key, user_path, model, provider, request_type (default: model)")
+    usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
+    usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
+    usage_cmd.add_argument("--request-type", default=None, choices=["decisions", "system_one", "score"])
+    usage_cmd.add_argument("--log-level", default="warning")
+    usage_cmd.set_defaults(func=cmd_usage)
 
     bench = sub.add_parser("bench", help="measure the naive loop, decisiond in-process and over HTTP, side by side")
     bench.add_argument("--model", default="default")

@@ -18,6 +18,14 @@ __all__ = [
     "SCORE_MAX_ITEMS",
     "SGLANG",
     "SYSTEM_ONE",
+    "USAGE_BATCH",
+    "USAGE_FLUSH_TIMEOUT_S",
+    "USAGE_PURGE_INTERVAL_S",
+    "USAGE_QUEUE_MAX",
+    "USAGE_RETRY_MAX_S",
+    "BUDGET_CACHE_S",
+    "BUDGET_DB_TIMEOUT_S",
+    "AUDIT_PAGE_MAX",
     "JsonLimits",
     "WireLimits",
 ]
@@ -67,3 +75,18 @@ MAX_DOCUMENT_DEPTH = 64
 BODY_READ_TIMEOUT_S = 30.0
 # Request bodies, after decompression (``serve --max-body-bytes``).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+# Usage records: at most this many wait in memory for the database (beyond, they are dropped, counted and logged),
+# written this many a transaction; a failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean
+# stop keeps trying to flush for USAGE_FLUSH_TIMEOUT_S; retention is enforced every USAGE_PURGE_INTERVAL_S.
+USAGE_QUEUE_MAX = 100_000
+USAGE_BATCH = 500
+USAGE_RETRY_MAX_S = 5.0
+USAGE_FLUSH_TIMEOUT_S = 15.0
+USAGE_PURGE_INTERVAL_S = 3600.0
+# Budgets: the list is re-read from the database this often (a change on another replica is seen within it); a
+# reservation or settlement waits at most BUDGET_DB_TIMEOUT_S for the database.
+BUDGET_CACHE_S = 2.0
+BUDGET_DB_TIMEOUT_S = 3.0
+# GET /admin/audit: rows per page at most.
+AUDIT_PAGE_MAX = 1000

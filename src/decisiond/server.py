@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import __version__, admin, chat
-from .canonical import ScoreResult
+from .canonical import DecisionResult, ScoreResult
 from .dialects import detect
 from .dialects import openai as openai_dialect
 from .dialects import score as score_dialect
@@ -31,6 +32,7 @@ from .gateway.allowlist import allowed
 from .gateway.pipeline import Caller, Context
 from .gateway.router import Router
 from .gateway.service import Gateway
+from .gateway.usage import UsageRecord, redact
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from .transport import read_payload
 
@@ -57,6 +59,8 @@ class DecisionRoute:
     choose: Callable[[Any], Dialect]
     # Errors before the dialect is known (401, an unreadable body, mixed shapes).
     early_error: ErrorRenderer
+    # The request type of usage records and audit filters: decisions, system_one, score.
+    request_type: str = "decisions"
     bodies: tuple[type[BaseModel], ...] = ()
     summary: str = ""
 
@@ -83,12 +87,12 @@ def _decisions_dialect(document: Any) -> Dialect:
 
 
 ROUTES = (
-    DecisionRoute("/v1/decisions", _decisions_dialect, detect.render_error,
+    DecisionRoute("/v1/decisions", _decisions_dialect, detect.render_error, "decisions",
                   (openai_dialect.DecisionBody, sglang_dialect.SGLangBody),
                   "OpenAI's Decisions API or SGLang's /v1/decisions (the body's keys tell which)"),
     DecisionRoute("/v1/systemone", lambda document: systemone_dialect.DIALECT, systemone_dialect.render_error,
-                  (systemone_dialect.SystemOneBody,), "TypeSafe's System One API"),
-    DecisionRoute("/v1/score", lambda document: score_dialect.DIALECT, sglang_dialect.render_error,
+                  "system_one", (systemone_dialect.SystemOneBody,), "TypeSafe's System One API"),
+    DecisionRoute("/v1/score", lambda document: score_dialect.DIALECT, sglang_dialect.render_error, "score",
                   (score_dialect.ScoreBody,), "SGLang's /v1/score"),
 )
 
@@ -192,14 +196,59 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
             fields.update(served_model=result.model, input_tokens=result.usage.input_tokens,
                           provider_format=result.provider_format)
             headers["x-decisiond-provider-format"] = result.provider_format
-        return JSONResponse(dialect.render(result, parsed), headers=headers)
+        if context.cost is not None:
+            headers[COST_HEADER] = f"{context.cost:.10f}"
+            fields["cost_usd"] = context.cost
+        body = dialect.render(result, parsed)
+        _record(gateway, route, context, 200, None, result, document, body)
+        return JSONResponse(body, headers=headers)
     except DecisionError as error:
         fields.update(error_code=error.code, outcomes=context.outcomes or None)
-        return _error_response(dialect.render_error(error, document), context.response_headers, error.headers)
+        status, rendered = dialect.render_error(error, document)
+        _record(gateway, route, context, status, error.code, None, document, rendered)
+        return _error_response((status, rendered), context.response_headers, error.headers)
     except Exception:  # a bug: answered in the caller's dialect, never with a traceback
         log.exception("unhandled error", extra={"request_id": context.request_id})
         fields["error_code"] = INTERNAL_ERROR.code
-        return _error_response(dialect.render_error(INTERNAL_ERROR, document))
+        rendered_error = dialect.render_error(INTERNAL_ERROR, document)
+        _record(gateway, route, context, rendered_error[0], INTERNAL_ERROR.code, None, document, rendered_error[1])
+        return _error_response(rendered_error)
+
+
+COST_HEADER = "x-decisiond-cost"
+
+
+def _record(gateway: Gateway, route: DecisionRoute, context: Context, status: int, error_code: str | None,
+            result: Any, document: Any, body: Any) -> None:
+    """Hand the request's usage record to the background writer (never waits; no-op without a database)."""
+    if gateway.usage is None:
+        return
+    usage = result.usage if isinstance(result, DecisionResult) else None
+    audit = gateway.config.audit
+    provider, model = context.answered_by or (None, None)
+    try:
+        gateway.usage.submit(UsageRecord(
+            time=datetime.now(timezone.utc), request_id=context.request_id, key_id=context.caller.key_id,
+            user_path=context.caller.user_path, request_type=route.request_type, dialect=context.dialect,
+            requested_model=context.requested_model, resolved_model=context.resolved_model, provider=provider,
+            model=model, upstream_model=result.model if isinstance(result, DecisionResult) else None,
+            attempts=len(context.targets_tried), targets=list(context.targets_tried),
+            input_tokens=usage.input_tokens if usage is not None else getattr(result, "prompt_tokens", 0) or 0,
+            cached_tokens=usage.cached_tokens if usage is not None else 0,
+            output_tokens=usage.output_tokens if usage is not None else 0,
+            cost=context.cost or 0.0, status=status, error_code=error_code,
+            latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
+            guardrail=_guardrail_summary(context.outcomes), outcomes=dict(context.outcomes) or None,
+            request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
+            response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
+    except Exception:  # a record must never fail the request
+        log.exception("usage record not built", extra={"request_id": context.request_id})
+
+
+def _guardrail_summary(outcomes: dict[str, str]) -> str | None:
+    """``pii=redact (redacted email); words=warn`` from the guardrail stage's per-guardrail outcomes."""
+    parts = [f"{k.removeprefix('guardrail:')}={v}" for k, v in outcomes.items() if k.startswith("guardrail:")]
+    return "; ".join(parts)[:500] if parts else outcomes.get("guardrails")
 
 
 def _endpoint(route: DecisionRoute) -> Callable[[Request], Any]:
@@ -267,4 +316,5 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
 
     app.include_router(admin.router)
     app.include_router(chat.router)
+    app.include_router(admin.self_service)
     return app

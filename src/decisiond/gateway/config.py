@@ -32,15 +32,19 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from .guardrails import GuardrailConfig
+from .pricing import Pricing, check_pricing
 
 __all__ = [
+    "AuditConfig",
     "AuthConfig",
+    "BudgetConfig",
     "ConfigError",
     "GatewayConfig",
     "Limits",
@@ -137,6 +141,8 @@ class ProviderConfig(BaseModel):
     images: bool | None = None
     limits: Limits | None = None
     rate_limits: RateLimitConfig | None = None
+    # The default price of this provider's models (see gateway.pricing); a model's own price wins.
+    pricing: Pricing | None = None
     headers: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("type")
@@ -151,7 +157,10 @@ class ProviderConfig(BaseModel):
     def _fits_its_type(self) -> "ProviderConfig":
         from .providers import provider_class  # the registry imports this module
 
-        provider_class(self.type).check_config(self)
+        kind = provider_class(self.type)
+        kind.check_config(self)
+        # A provider's per-request default prices only its decisions-only models (see Target.pricing).
+        check_pricing(f"provider {self.name!r}", self.pricing, reports_tokens=kind.reports_tokens)
         return self
 
 
@@ -166,6 +175,7 @@ class ModelConfig(BaseModel):
     description: str = ""
     rate_limits: RateLimitConfig | None = None
     guardrails: list[str] = Field(default_factory=list)
+    pricing: Pricing | None = None
 
 
 class VirtualModelConfig(BaseModel):
@@ -227,6 +237,42 @@ class UserPathLimit(RateLimitConfig):
         return self
 
 
+class BudgetConfig(BaseModel):
+    """A spending limit in USD on one scope — a key (its id: a managed key's ``key_...`` or ``static:<name>``), a
+    user-path subtree or a model — per UTC calendar hour/day/week/month or per ``period_seconds``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str | None = Field(default=None, min_length=1, max_length=200)
+    user_path: str | None = None
+    model: str | None = Field(default=None, min_length=1, max_length=200)
+    limit_usd: NonNegativeFloat
+    period: Literal["hourly", "daily", "weekly", "monthly"] | None = None
+    period_seconds: int | None = Field(default=None, ge=1, le=366 * 86400)
+
+    @model_validator(mode="after")
+    def _one_scope(self) -> "BudgetConfig":
+        if sum(v is not None for v in (self.key, self.user_path, self.model)) != 1:
+            raise ValueError("a budget needs exactly one of key, user_path or model")
+        if (self.period is None) == (self.period_seconds is None):
+            raise ValueError("a budget needs exactly one of period (hourly, daily, weekly, monthly) or "
+                             "period_seconds")
+        if self.user_path is not None:
+            check_user_path(self.user_path)
+        return self
+
+
+class AuditConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Keep request and response bodies with each usage row (secrets and redact_fields replaced).
+    log_bodies: bool = False
+    # Extra field names (at any depth) to redact from logged bodies, besides the built-in secret names.
+    redact_fields: list[str] = Field(default_factory=list)
+    # Usage and audit rows older than this are purged (hourly); None keeps them.
+    retention_days: int | None = Field(default=90, ge=1)
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -242,6 +288,11 @@ class GatewayConfig(BaseModel):
     providers: list[ProviderConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
+    budgets: list[BudgetConfig] = Field(default_factory=list)
+    # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
+    # their usage rows wait in the writer's queue) or refused with 503 ("refuse").
+    budgets_when_database_down: Literal["admit", "refuse"] = "admit"
+    audit: AuditConfig = Field(default_factory=AuditConfig)
     # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
     # name); defaults to the first local provider's model.
     default_model: str | None = None
@@ -252,9 +303,14 @@ class GatewayConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("provider names must be unique")
         providers = set(names)
+        kinds = {p.name: p.type for p in self.providers}
         for m in self.models:
             if m.provider not in providers:
                 raise ValueError(f"model {m.name!r} names unknown provider {m.provider!r}")
+            from .providers import provider_class  # the registry imports this module
+
+            check_pricing(f"model {m.name!r}", m.pricing, m.capabilities,
+                          provider_class(kinds[m.provider]).reports_tokens)
         model_names = [m.name for m in self.models] + [v.name for v in self.virtual_models]
         if len(set(model_names)) != len(model_names):
             raise ValueError("model and virtual model names must be unique")

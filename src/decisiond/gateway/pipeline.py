@@ -1,7 +1,7 @@
 """The gateway's spine: every decision and score request, whatever its route and dialect, runs through one
 ordered chain of small stages between parsing and rendering.
 
-    request limits → resolve model → allowlist → rate limits → guardrails → (budgets, cache) → route (failover)
+    request limits → resolve model → allowlist → rate limits → budgets → guardrails → (cache) → route (failover)
 
 Each stage is an async callable ``stage(context, request, call_next) -> result``: it may look at or change the
 context, refuse by raising a ``DecisionError`` (which the server renders in the caller's dialect), or wrap the
@@ -68,6 +68,12 @@ class Context:
     outcomes: dict[str, str] = field(default_factory=dict)
     # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
     response_headers: dict[str, str] = field(default_factory=dict)
+    # For the usage record: the targets the router tried (in order), the one that answered (provider, name), and
+    # the request's cost in USD once known; a cache stage sets cache_hit.
+    targets_tried: list[str] = field(default_factory=list)
+    answered_by: tuple[str, str] | None = None
+    cost: float | None = None
+    cache_hit: bool = False
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

@@ -285,6 +285,16 @@ class RateLimiter:
                 headers[f"x-ratelimit-reset-{unit}"] = _duration(max(0.0, stats.reset_time - time.time()))
         return headers
 
+    async def counters(self, caller: Caller) -> list[dict[str, Any]]:
+        """The caller's live counters (for ``GET /v1/usage``): each limit with what remains and when it resets."""
+        out: list[dict[str, Any]] = []
+        for check in _checks(self.caller_scopes(caller)):
+            stats = await self.window.get_window_stats(check.item, *check.identifiers)
+            out.append({"scope": check.scope.describe(), "unit": "input_tokens" if check.tokens else "requests",
+                        "per": _per(check.item), "limit": check.item.amount, "remaining": max(0, stats.remaining),
+                        "resets_in_seconds": round(max(0.0, stats.reset_time - time.time()), 3)})
+        return out
+
     async def aclose(self) -> None:
         await self.concurrency.aclose()
 

@@ -27,6 +27,7 @@ from ..errors import DecisionError, UpstreamError, upstream_error
 from . import limits
 from .answers import check_result
 from .config import DEFAULT_DEADLINE, ConfigError, GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from .pricing import Pricing
 from .providers import build
 from .providers.base import Provider
 from .providers.local import LocalProvider
@@ -68,6 +69,19 @@ class Target:
     capabilities: tuple[str, ...] = ("decisions",)
     images: bool | None = None
     description: str = ""
+    # The model's own price; else its provider's default (see ``price``).
+    pricing: Pricing | None = None
+
+    @property
+    def price(self) -> Pricing | None:
+        """What this target costs: its own price, else its provider's — a per-request default only for a model that
+        serves nothing but decisions (a model that also serves chat stays unpriced behind it)."""
+        if self.pricing is not None:
+            return self.pricing
+        default: Pricing | None = self.provider.config.pricing
+        if default is not None and default.per_request is not None and set(self.capabilities) != {"decisions"}:
+            return None
+        return default
 
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         if "decisions" not in self.capabilities:
@@ -303,7 +317,7 @@ async def _within(attempt: Coroutine[Any, Any, DecisionResult], seconds: float |
 
 
 def _target(m: ModelConfig, provider: Provider) -> Target:
-    return Target(m.name, provider, m.upstream or m.name, tuple(m.capabilities), m.images, m.description)
+    return Target(m.name, provider, m.upstream or m.name, tuple(m.capabilities), m.images, m.description, m.pricing)
 
 
 def _describe(engine: LocalEngine) -> str:

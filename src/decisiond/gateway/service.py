@@ -7,10 +7,12 @@ import logging
 import os
 from typing import Any
 
-from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text
+from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
 from ..store import Database, KeyStore
+from . import pricing
 from .allowlist import Allowlist
 from .auth import Authenticator
+from .budgets import BudgetStage, BudgetStore
 from .config import GatewayConfig
 from .guardrails import GuardrailConfig, GuardrailSet, GuardrailStage, judge_question
 from .limits import RequestLimits
@@ -18,6 +20,7 @@ from .pipeline import Context, Pipeline, Stage
 from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
 from .resolve import ResolveModel
 from .router import Router, Target
+from .usage import UsageWriter
 
 __all__ = ["Gateway"]
 
@@ -40,14 +43,20 @@ class Gateway:
             redis_url, config.rate_limits,
             models={m.name: m.rate_limits for m in config.models if m.rate_limits is not None},
             providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
+        self.config = config
         self.db: Database | None = None
         self.keys: KeyStore | None = None
         self.guardrails = GuardrailSet(
             {g.name: g for g in config.guardrails}, judge=self._judge,
             by_model={**{m.name: m.guardrails for m in config.models if m.guardrails},
                       **{v.name: v.guardrails for v in config.virtual_models if v.guardrails}})
-        stages: list[Stage] = [RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter),
-                               GuardrailStage(self.guardrails)]
+        self.budgets: BudgetStore | None = None
+        self.usage: UsageWriter | None = None
+        stages: list[Stage] = [
+            RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter),
+            BudgetStage(lambda: self.budgets, router, config.budgets_when_database_down),
+            GuardrailStage(self.guardrails),
+        ]
         self.pipeline = Pipeline(stages, self._route)
 
     @staticmethod
@@ -57,20 +66,28 @@ class Gateway:
 
     @property
     def needs_database(self) -> bool:
-        """Managed keys exist only with a master key to create them; a database_url opens it regardless."""
-        return self.master_key is not None or self.database_url is not None
+        """Managed keys exist only with a master key to create them; a database_url or budgets open it
+        regardless. Usage is recorded wherever a database is open."""
+        return self.master_key is not None or self.database_url is not None or bool(self.config.budgets)
 
     async def start(self) -> None:
         if self.needs_database:
             self.db = await Database.open(self.database_url)
             self.keys = KeyStore(self.db)
             self.auth.store = self.keys
+            self.budgets = BudgetStore(self.db)
+            for budget in self.config.budgets:
+                await self.budgets.put(budget, "config")
+            self.usage = UsageWriter(self.db, self.config.audit.retention_days)
+            self.usage.start()
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
             log.warning("no API key is configured: every client that can reach this server may use every model "
                         f"and upstream key; set auth.master_key or {MASTER_KEY_ENV}")
 
     async def aclose(self) -> None:
+        if self.usage is not None:
+            await self.usage.aclose()  # flush usage records before the database closes
         await self.router.aclose()
         await self.limiter.aclose()
         if self.db is not None:
@@ -90,13 +107,28 @@ class Gateway:
     async def _route(self, context: Context, request: Any) -> Any:
         tokens = estimated_tokens(request)
 
+        tried: list[Target] = []
+
         def gate(target: Target) -> Any:
+            tried.append(target)  # every attempt passes its gate: the last one tried is the one that answered
+            context.targets_tried.append(target.name)
             return self.limiter.gate(target.name, target.provider.name, tokens)
 
         if context.operation == "score":
             assert isinstance(request, ScoreRequest)
             score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
+            self._priced(context, tried, Usage(input_tokens=score.prompt_tokens), "local")
             return score
         assert isinstance(request, DecisionRequest) and context.resolved_model is not None
         result: DecisionResult = await self.router.decide(request, context.resolved_model, gate)
+        self._priced(context, tried, result.usage, result.provider_format)
         return result
+
+    @staticmethod
+    def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:
+        """Attribute the answer to the target that gave it, and price it by that target's price."""
+        if not tried:
+            return
+        target = tried[-1]
+        context.answered_by = (target.provider.name, target.name)
+        context.cost = pricing.cost(target.price, usage, provider_format)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, String
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKey", "Base"]
+__all__ = ["ApiKey", "Base", "Budget", "BudgetWindow", "UsageRow"]
+
+# An auto-increment 64-bit id (SQLite only auto-increments an INTEGER primary key).
+BigId = BigInteger().with_variant(Integer, "sqlite")
 
 
 class Base(DeclarativeBase):
@@ -30,3 +33,69 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class UsageRow(Base):
+    """One request: who, what, which target answered, tokens, cost, outcome — and, when audit.log_bodies is on,
+    the redacted request and response bodies."""
+
+    __tablename__ = "usage"
+    __table_args__ = (Index("ix_usage_time", "time"), Index("ix_usage_key_time", "key_id", "time"),
+                      Index("ix_usage_type_time", "request_type", "time"),
+                      Index("ix_usage_request_id", "request_id"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    day: Mapped[str] = mapped_column(String(10))
+    request_id: Mapped[str] = mapped_column(String(64))
+    key_id: Mapped[str | None] = mapped_column(String(210), nullable=True)
+    user_path: Mapped[str] = mapped_column(String(256))
+    request_type: Mapped[str] = mapped_column(String(32))
+    dialect: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    requested_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    resolved_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    provider: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    upstream_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    targets: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    input_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cost: Mapped[float] = mapped_column(Float, default=0.0)
+    status: Mapped[int] = mapped_column(Integer)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
+    guardrail: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    outcomes: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    request_body: Mapped[Any] = mapped_column(JSON, nullable=True)
+    response_body: Mapped[Any] = mapped_column(JSON, nullable=True)
+
+
+class Budget(Base):
+    """A spending limit on one scope (exactly one of key_id, user_path, model), per calendar period or seconds."""
+
+    __tablename__ = "budgets"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(210), nullable=True)
+    user_path: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    limit_nanousd: Mapped[int] = mapped_column(BigInteger)
+    period: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    period_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    source: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class BudgetWindow(Base):
+    """A budget's spend in one period, in nano-USD (integers: reservations and settlements add up exactly).
+    ``reserved`` holds the estimates of requests in flight; ``spent`` the settled costs."""
+
+    __tablename__ = "budget_windows"
+
+    budget_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    window_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    spent: Mapped[int] = mapped_column(BigInteger, default=0)
+    reserved: Mapped[int] = mapped_column(BigInteger, default=0)

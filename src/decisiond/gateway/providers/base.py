@@ -50,6 +50,8 @@ class Provider:
     capabilities: ClassVar[frozenset[str]] = frozenset({"decisions"})
     default_limits = Limits()
     needs_base_url = True
+    # Whether answers carry token counts; a provider that reports none may only be priced per request.
+    reports_tokens: ClassVar[bool] = True
 
     def __init__(self, config: ProviderConfig):
         self.config = config

@@ -1,0 +1,290 @@
+"""Budgets: USD spending limits per key, per user-path subtree and per model, per UTC calendar hour/day/week/month
+or per ``period_seconds`` (windows aligned on the Unix epoch), held in the database so replicas share them.
+
+The ``BudgetStage`` runs after the rate limits and before the router. For every budget that applies to the
+request it *reserves* the request's estimated cost (``pricing.estimate`` of the dearest target the model may
+route to) with one conditional UPDATE per budget, in one transaction::
+
+    UPDATE budget_windows SET reserved = reserved + :cost
+     WHERE budget_id = :id AND window_start = :w AND spent + reserved + :cost <= :limit AND spent + reserved < :limit
+
+and checks the row count: 0 rows means the budget has no room, the transaction is rolled back and the request is
+refused with 402 ``budget_exceeded`` before any provider is called. PostgreSQL re-checks the WHERE clause on the
+row a concurrent transaction just committed; SQLite serialises writers — so of N concurrent requests only those
+that fit pass, on one replica or many. After the call the reservation is *settled*: the estimate is released and
+the real cost (0 for a failed request) added to ``spent``. Amounts are integers in nano-USD, so they add up exactly.
+
+While the database cannot be reached, ``budgets_when_database_down`` decides: ``admit`` (default) lets requests
+through unchecked — logged, their outcome ``unchecked: database unavailable``, their usage rows kept until the
+database is back — or ``refuse`` answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Literal
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from ..errors import DecisionError
+from ..limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
+from ..store import Database
+from ..store.tables import Budget, BudgetWindow
+from . import pricing
+from .auth import in_subtree
+from .config import BudgetConfig
+from .pipeline import Caller, Context, Next
+from .ratelimit import estimated_tokens
+from .router import Router
+
+__all__ = ["BudgetStage", "BudgetStore", "BudgetView", "NANO", "Reservation", "budget_id", "window"]
+
+log = logging.getLogger("decisiond.budgets")
+
+NANO = 1_000_000_000
+
+
+def to_nano(usd: float) -> int:
+    return int(round(usd * NANO))
+
+
+def budget_id(config: BudgetConfig) -> str:
+    """The same scope and period always name the same budget (a PUT replaces its limit)."""
+    scope = f"key={config.key}" if config.key is not None else f"user_path={config.user_path}" \
+        if config.user_path is not None else f"model={config.model}"
+    period = config.period or f"{config.period_seconds}s"
+    return "bud_" + hashlib.sha256(f"{scope}|{period}".encode()).hexdigest()[:20]
+
+
+def window(period: str | None, period_seconds: int | None, now: float | None = None) -> tuple[int, int]:
+    """The current window of a budget as (start, end) Unix seconds: UTC calendar periods, or epoch-aligned."""
+    now = time.time() if now is None else now
+    if period_seconds is not None:
+        start = int(now // period_seconds * period_seconds)
+        return start, start + period_seconds
+    t = datetime.fromtimestamp(now, timezone.utc)
+    if period == "hourly":
+        s = t.replace(minute=0, second=0, microsecond=0)
+        e = s + timedelta(hours=1)
+    elif period == "daily":
+        s = t.replace(hour=0, minute=0, second=0, microsecond=0)
+        e = s + timedelta(days=1)
+    elif period == "weekly":  # ISO weeks: Monday 00:00 UTC
+        s = t.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(days=t.weekday())
+        e = s + timedelta(days=7)
+    else:  # monthly
+        s = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        e = s.replace(year=s.year + 1, month=1) if s.month == 12 else s.replace(month=s.month + 1)
+    return int(s.timestamp()), int(e.timestamp())
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    id: str
+    key_id: str | None
+    user_path: str | None
+    model: str | None
+    limit_nano: int
+    period: str | None
+    period_seconds: int | None
+    source: str
+
+    @property
+    def scope(self) -> str:
+        return f"key {self.key_id}" if self.key_id is not None else f"user path {self.user_path}" \
+            if self.user_path is not None else f"model {self.model}"
+
+    @property
+    def per(self) -> str:
+        return self.period or f"{self.period_seconds} s"
+
+    def applies(self, caller: Caller, models: tuple[str | None, ...]) -> bool:
+        if self.key_id is not None:
+            return caller.key_id == self.key_id
+        if self.user_path is not None:
+            return in_subtree(caller.user_path, self.user_path)
+        return self.model in models
+
+    def window(self, now: float | None = None) -> tuple[int, int]:
+        return window(self.period, self.period_seconds, now)
+
+    def public(self, spent: int = 0, reserved: int = 0, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        start, end = self.window(now)
+        return {"id": self.id, "key": self.key_id, "user_path": self.user_path, "model": self.model,
+                "limit_usd": self.limit_nano / NANO, "period": self.period, "period_seconds": self.period_seconds,
+                "source": self.source, "spent_usd": spent / NANO, "reserved_usd": reserved / NANO,
+                "remaining_usd": max(0, self.limit_nano - spent - reserved) / NANO,
+                "window_start": datetime.fromtimestamp(start, timezone.utc).isoformat(),
+                "resets_in_seconds": max(0, int(end - now))}
+
+
+def _view(b: Budget) -> BudgetView:
+    return BudgetView(b.id, b.key_id, b.user_path, b.model, b.limit_nanousd, b.period, b.period_seconds, b.source)
+
+
+@dataclass
+class Reservation:
+    # (budget id, window start, reserved nano-USD)
+    held: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+class BudgetStore:
+    """Budgets and their windows in the database; the list is cached for ``BUDGET_CACHE_S``."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self._cache: tuple[float, list[BudgetView]] | None = None
+
+    async def budgets(self) -> list[BudgetView]:
+        now = time.monotonic()
+        if self._cache is not None and self._cache[0] > now:
+            return self._cache[1]
+        try:
+            async with self.db.session() as session:
+                rows = (await asyncio.wait_for(session.execute(select(Budget).order_by(Budget.id)),
+                                               BUDGET_DB_TIMEOUT_S)).scalars()
+                views = [_view(b) for b in rows]
+        except Exception:
+            if self._cache is None:
+                raise
+            views = self._cache[1]  # the database is down: keep the last list known
+        self._cache = (now + BUDGET_CACHE_S, views)
+        return views
+
+    async def put(self, config: BudgetConfig, source: Literal["config", "admin"]) -> BudgetView:
+        ident = budget_id(config)
+        values = {"key_id": config.key, "user_path": config.user_path, "model": config.model,
+                  "limit_nanousd": to_nano(config.limit_usd), "period": config.period,
+                  "period_seconds": config.period_seconds, "source": source}
+        async with self.db.session() as session, session.begin():
+            existing = await session.get(Budget, ident)
+            if existing is None:
+                session.add(Budget(id=ident, created_at=datetime.now(timezone.utc), **values))
+            else:
+                for k, v in values.items():
+                    setattr(existing, k, v)
+        self._cache = None
+        return BudgetView(ident, config.key, config.user_path, config.model, to_nano(config.limit_usd),
+                          config.period, config.period_seconds, source)
+
+    async def delete(self, ident: str) -> bool:
+        async with self.db.session() as session, session.begin():
+            result = await session.execute(delete(Budget).where(Budget.id == ident))
+            await session.execute(delete(BudgetWindow).where(BudgetWindow.budget_id == ident))
+        self._cache = None
+        return bool(getattr(result, "rowcount", 0))
+
+    async def spend(self, budgets: list[BudgetView], now: float | None = None) -> list[dict[str, Any]]:
+        """Each budget's public view with its current window's spend."""
+        out = []
+        async with self.db.session() as session:
+            for b in budgets:
+                start, _ = b.window(now)
+                row = await session.get(BudgetWindow, (b.id, start))
+                out.append(b.public(row.spent if row else 0, row.reserved if row else 0, now))
+        return out
+
+    def _insert(self) -> Any:
+        return pg_insert if self.db.dialect == "postgresql" else sqlite_insert
+
+    async def reserve(self, budgets: list[BudgetView], amount: int) -> Reservation:
+        """Reserve ``amount`` nano-USD in every budget, all or none; 402 naming the first without room."""
+        reservation = Reservation()
+        now = time.time()
+        insert = self._insert()
+        async with self.db.session() as session, session.begin():
+            for b in sorted(budgets, key=lambda b: b.id):  # one lock order: no deadlock between requests
+                start, end = b.window(now)
+                await session.execute(insert(BudgetWindow).values(budget_id=b.id, window_start=start, spent=0,
+                                                                  reserved=0).on_conflict_do_nothing())
+                w = BudgetWindow
+                result = await session.execute(
+                    update(w).where(w.budget_id == b.id, w.window_start == start,
+                                    w.spent + w.reserved + amount <= b.limit_nano, w.spent + w.reserved < b.limit_nano)
+                    .values(reserved=w.reserved + amount))
+                if getattr(result, "rowcount", 0) != 1:
+                    row = (await session.execute(select(w.spent, w.reserved).where(
+                        w.budget_id == b.id, w.window_start == start))).one()
+                    raise budget_exceeded(b, row.spent, row.reserved, amount, int(end - now))
+                reservation.held.append((b.id, start, amount))
+        return reservation
+
+    async def settle(self, reservation: Reservation, actual: int) -> None:
+        """Release the estimates and add the real cost to every budget reserved."""
+        if not reservation.held:
+            return
+        w = BudgetWindow
+        async with self.db.session() as session, session.begin():
+            for ident, start, held in reservation.held:
+                await session.execute(update(w).where(w.budget_id == ident, w.window_start == start).values(
+                    reserved=w.reserved - held, spent=w.spent + actual))
+
+
+def budget_exceeded(b: BudgetView, spent: int, reserved: int, amount: int, resets_in: int) -> DecisionError:
+    in_flight = f" (${reserved / NANO:.6f} more reserved by requests in flight)" if reserved else ""
+    return DecisionError(
+        f"The budget of {b.scope} is spent: ${spent / NANO:.6f} of its ${b.limit_nano / NANO:.6f} limit per "
+        f"{b.per} used{in_flight}; this request would cost about ${amount / NANO:.6f}. It resets in {resets_in} s.",
+        code="budget_exceeded", status=402, type="insufficient_quota",
+        headers={"retry-after": str(max(1, resets_in))})
+
+
+class BudgetStage:
+    """Reserve before the call, settle after (see the module docstring)."""
+
+    name = "budget"
+
+    def __init__(self, store_of: Any, router: Router, when_down: Literal["admit", "refuse"] = "admit"):
+        # ``store_of()`` → the BudgetStore, or None before the database is open (no budgets then).
+        self.store_of = store_of
+        self.router = router
+        self.when_down = when_down
+
+    def estimate(self, context: Context, request: Any) -> int:
+        tokens = estimated_tokens(request)
+        targets = self.router.chain(context.resolved_model) if context.resolved_model else []
+        return max((to_nano(pricing.estimate(t.price, tokens)) for t in targets), default=0)
+
+    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
+        store: BudgetStore | None = self.store_of()
+        if store is None:
+            return await call_next(context, request)
+        try:
+            budgets = [b for b in await store.budgets()
+                       if b.applies(context.caller, (context.resolved_model, context.requested_model))]
+            if not budgets:
+                return await call_next(context, request)
+            amount = self.estimate(context, request)
+            reservation = await asyncio.wait_for(store.reserve(budgets, amount), BUDGET_DB_TIMEOUT_S)
+        except DecisionError:
+            raise
+        except Exception as error:
+            log.warning("budgets not checked: the database is unavailable",
+                        extra={"request_id": context.request_id, "error": f"{type(error).__name__}: {error}"[:300],
+                               "when_down": self.when_down})
+            if self.when_down == "refuse":
+                raise DecisionError("Budgets cannot be checked: the database is unavailable. Retry shortly.",
+                                    code="budget_unavailable", status=503, type="server_error",
+                                    headers={"retry-after": "5"}) from None
+            context.outcomes[self.name] = "unchecked: database unavailable"
+            return await call_next(context, request)
+        actual = 0
+        try:
+            result = await call_next(context, request)
+            actual = to_nano(context.cost or 0.0)
+            return result
+        finally:
+            try:
+                await asyncio.wait_for(store.settle(reservation, actual), BUDGET_DB_TIMEOUT_S)
+            except Exception as error:
+                log.error("budget not settled: the database is unavailable; the reservation holds until the "
+                          "period ends", extra={"request_id": context.request_id, "cost_nanousd": actual,
+                                                "error": f"{type(error).__name__}: {error}"[:300]})

@@ -1,0 +1,103 @@
+"""What a request costs, in USD, by the rules of the seeds (GoModel's and Bud's billing):
+
+- the provider's own figure wins: an upstream that reports ``usage.cost`` (OpenRouter) is charged what it says;
+- a model or provider without a price costs nothing (local models cost 0 unless priced);
+- ``per_request``: a flat price per call, whatever the tokens — only for a model that serves nothing but decisions,
+  and the only price a provider that reports no tokens may have (a per-token price would make every call free);
+- decisions answered in OpenAI's format (OpenAI's Decisions API, Azure) are billed on input tokens only, all of
+  them at the input rate: output, cache reads and cache writes are free, as in OpenAI's Decisions API;
+- any other answer (System One, local, ``/v1/score``): input tokens at the input rate — cached ones at
+  ``cached_input_per_mtok`` when it is set — plus output tokens at the output rate;
+- a long-context tier (``long_context: {above_tokens, input_per_mtok}``) sets the input rate of a request whose
+  input tokens exceed ``above_tokens`` (the whole request, as providers bill it).
+
+Prices are per million tokens. ``check_pricing`` applies the start-up rules with messages naming the entry.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..canonical import Usage
+
+__all__ = ["LongContext", "Pricing", "check_pricing", "cost", "estimate"]
+
+MTOK = 1_000_000
+
+
+class LongContext(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    above_tokens: int = Field(ge=1)
+    input_per_mtok: float = Field(ge=0)
+
+
+class Pricing(BaseModel):
+    """A model's (or a provider's default) price."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_per_mtok: float | None = Field(default=None, ge=0)
+    output_per_mtok: float | None = Field(default=None, ge=0)
+    cached_input_per_mtok: float | None = Field(default=None, ge=0)
+    long_context: LongContext | None = None
+    per_request: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Pricing":
+        if self.per_request is not None and self.per_token:
+            raise ValueError("a price is per request or per token, not both")
+        return self
+
+    @property
+    def per_token(self) -> bool:
+        return any(v is not None for v in (self.input_per_mtok, self.output_per_mtok, self.cached_input_per_mtok,
+                                           self.long_context))
+
+    def input_rate(self, input_tokens: int) -> float:
+        if self.long_context is not None and input_tokens > self.long_context.above_tokens:
+            return self.long_context.input_per_mtok
+        return self.input_per_mtok or 0.0
+
+
+def check_pricing(where: str, pricing: Pricing | None, capabilities: Iterable[str] = ("decisions",),
+                  reports_tokens: bool = True) -> None:
+    """Bud's rules, at start-up: per-request only for a decisions-only model; no per-token price on a provider
+    that reports no tokens. Raises ValueError naming ``where``."""
+    if pricing is None:
+        return
+    caps = set(capabilities)
+    if pricing.per_request is not None and caps != {"decisions"}:
+        raise ValueError(f"{where}: a per_request price applies only to a model that serves nothing but decisions "
+                         f"(this one serves {', '.join(sorted(caps))}); price it per token")
+    if pricing.per_token and not reports_tokens:
+        raise ValueError(f"{where}: this provider reports no token counts, so a per-token price would cost every "
+                         "call nothing; give it a per_request price")
+
+
+def cost(pricing: Pricing | None, usage: Usage, provider_format: str) -> float:
+    """The USD cost of one answered request (see the module docstring for the rules)."""
+    if usage.cost is not None:
+        return float(usage.cost)
+    if pricing is None:
+        return 0.0
+    if pricing.per_request is not None:
+        return pricing.per_request
+    rate = pricing.input_rate(usage.input_tokens)
+    if provider_format == "openai":  # OpenAI's Decisions API: input tokens only, all at the input rate
+        return usage.input_tokens * rate / MTOK
+    cached = min(usage.cached_tokens, usage.input_tokens) if pricing.cached_input_per_mtok is not None else 0
+    return ((usage.input_tokens - cached) * rate + cached * (pricing.cached_input_per_mtok or 0.0)
+            + usage.output_tokens * (pricing.output_per_mtok or 0.0)) / MTOK
+
+
+def estimate(pricing: Pricing | None, input_tokens: int) -> float:
+    """The cost reserved against budgets before the call: the per-request price, or the estimated input tokens at
+    the input rate (output is not known in advance; the real cost is settled after the call)."""
+    if pricing is None:
+        return 0.0
+    if pricing.per_request is not None:
+        return pricing.per_request
+    return input_tokens * pricing.input_rate(input_tokens) / MTOK

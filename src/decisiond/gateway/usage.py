@@ -1,0 +1,307 @@
+"""Usage records: one row per request, written off the request path by a bounded background writer.
+
+``UsageWriter.submit(record)`` never waits and never fails: the record joins an in-memory buffer (at most
+``limits.USAGE_QUEUE_MAX`` records) that a background task writes in batches of ``limits.USAGE_BATCH`` rows, one
+transaction a batch. When the database cannot be reached, the batch stays in the buffer and is retried with a
+growing pause (up to ``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. Only when the buffer is full
+is a record dropped — counted in ``lost`` and logged. ``aclose()`` flushes what is buffered (for up to
+``USAGE_FLUSH_TIMEOUT_S``), so a clean stop loses nothing while the database is up.
+
+The queries behind the admin API (summary, daily, audit) and ``GET /v1/usage`` live here too, as does the
+redaction of logged bodies and the retention purge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterable
+
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.sql.elements import ColumnElement
+
+from ..limits import (
+    USAGE_BATCH,
+    USAGE_FLUSH_TIMEOUT_S,
+    USAGE_PURGE_INTERVAL_S,
+    USAGE_QUEUE_MAX,
+    USAGE_RETRY_MAX_S,
+)
+from ..store import Database
+from ..store.tables import UsageRow
+
+__all__ = ["GROUPS", "REQUEST_TYPES", "SECRET_FIELDS", "UsageFilter", "UsageRecord", "UsageWriter", "audit",
+           "daily", "key_spend", "redact", "summary"]
+
+log = logging.getLogger("decisiond.usage")
+
+REQUEST_TYPES = ("decisions", "system_one", "score")
+# Group-by names of the admin summaries → usage columns.
+GROUPS = {"key": "key_id", "user_path": "user_path", "model": "model", "provider": "provider",
+          "request_type": "request_type", "resolved_model": "resolved_model", "status": "status"}
+# Always redacted from logged bodies, at any depth (case-insensitive).
+SECRET_FIELDS = frozenset({"authorization", "api_key", "api-key", "apikey", "key", "secret", "password", "token",
+                           "access_token", "x-api-key"})
+REDACTED = "[redacted]"
+
+
+@dataclass
+class UsageRecord:
+    time: datetime
+    request_id: str
+    key_id: str | None
+    user_path: str
+    request_type: str
+    dialect: str | None
+    requested_model: str | None
+    resolved_model: str | None
+    provider: str | None
+    model: str | None
+    upstream_model: str | None
+    attempts: int
+    targets: list[str]
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
+    status: int
+    error_code: str | None
+    latency_ms: float
+    cache_hit: bool = False
+    guardrail: str | None = None
+    outcomes: dict[str, str] | None = None
+    request_body: Any = None
+    response_body: Any = None
+
+    def row(self) -> dict[str, Any]:
+        return {**asdict(self), "day": self.time.strftime("%Y-%m-%d")}
+
+
+def redact(value: Any, fields: Iterable[str] = ()) -> Any:
+    """``value`` with every field named in SECRET_FIELDS or ``fields`` (any depth, any case) replaced."""
+    names = SECRET_FIELDS | {f.lower() for f in fields}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: REDACTED if str(k).lower() in names else walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    return walk(value)
+
+
+@dataclass
+class UsageWriter:
+    db: Database
+    retention_days: int | None = None
+    queue_max: int = USAGE_QUEUE_MAX
+    buffer: list[dict[str, Any]] = field(default_factory=list)
+    lost: int = 0
+    written: int = 0
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _closing: bool = False
+    _task: asyncio.Task[None] | None = None
+    _purger: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="usage-writer")
+        if self.retention_days is not None:
+            self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
+
+    def submit(self, record: UsageRecord) -> None:
+        if len(self.buffer) >= self.queue_max:
+            self.lost += 1
+            if self.lost == 1 or self.lost % 1000 == 0:
+                log.error("usage record dropped: the writer's queue is full (database unreachable?)",
+                          extra={"lost": self.lost, "queue_max": self.queue_max, "request_id": record.request_id})
+            return
+        self.buffer.append(record.row())
+        self._wake.set()
+
+    async def _write(self) -> None:
+        batch = self.buffer[:USAGE_BATCH]
+        async with self.db.session() as session, session.begin():
+            await session.execute(insert(UsageRow), batch)
+        del self.buffer[:len(batch)]
+        self.written += len(batch)
+
+    async def _run(self) -> None:
+        pause = 0.25
+        while True:
+            if not self.buffer:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._write()
+                pause = 0.25
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                if self._closing:
+                    raise
+                log.warning("usage records not written yet: database unavailable; retrying",
+                            extra={"pending": len(self.buffer), "retry_in_s": pause,
+                                   "error": f"{type(error).__name__}: {str(error)[:200]}"})
+                try:
+                    await asyncio.wait_for(self._closing_event(), pause)
+                except asyncio.TimeoutError:
+                    pass
+                pause = min(pause * 2, USAGE_RETRY_MAX_S)
+
+    async def _closing_event(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(0.05)
+
+    async def aclose(self) -> None:
+        """Write what is buffered (retrying until USAGE_FLUSH_TIMEOUT_S), then stop."""
+        if self._purger is not None:
+            self._purger.cancel()
+        self._closing = True
+        self._wake.set()
+        deadline = time.monotonic() + USAGE_FLUSH_TIMEOUT_S
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), USAGE_FLUSH_TIMEOUT_S)
+            except Exception:
+                pass
+            self._task.cancel()
+        while self.buffer and time.monotonic() < deadline:
+            try:
+                await self._write()
+            except Exception:
+                await asyncio.sleep(0.5)
+        if self.buffer:
+            self.lost += len(self.buffer)
+            log.error("usage records lost at shutdown: the database could not be reached",
+                      extra={"lost": len(self.buffer)})
+            self.buffer.clear()
+
+    async def _purge_loop(self) -> None:
+        while True:
+            try:
+                await self.purge()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("usage retention purge failed", extra={"error": f"{type(error).__name__}: {error}"})
+            await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
+
+    async def purge(self) -> int:
+        """Delete rows older than ``retention_days``; returns how many."""
+        if self.retention_days is None:
+            return 0
+        cutoff = datetime.now(timezone.utc) - timedelta(days=self.retention_days)
+        async with self.db.session() as session, session.begin():
+            result = await session.execute(delete(UsageRow).where(UsageRow.time < cutoff))
+        return int(getattr(result, "rowcount", 0) or 0)
+
+
+# ------------------------------------------------------------------------------------------------- queries
+
+
+@dataclass
+class UsageFilter:
+    start: datetime | None = None
+    end: datetime | None = None
+    request_type: str | None = None
+    key_id: str | None = None
+    user_path: str | None = None  # the subtree
+    model: str | None = None
+    provider: str | None = None
+    status: int | None = None
+
+    def where(self) -> list[ColumnElement[bool]]:
+        clauses: list[ColumnElement[bool]] = []
+        if self.start is not None:
+            clauses.append(UsageRow.time >= self.start)
+        if self.end is not None:
+            clauses.append(UsageRow.time < self.end)
+        if self.request_type is not None:
+            clauses.append(UsageRow.request_type == self.request_type)
+        if self.key_id is not None:
+            clauses.append(UsageRow.key_id == self.key_id)
+        if self.user_path is not None and self.user_path != "/":
+            root = self.user_path.rstrip("/")
+            clauses.append((UsageRow.user_path == root) | UsageRow.user_path.startswith(root + "/", autoescape=True))
+        if self.model is not None:
+            clauses.append((UsageRow.model == self.model) | (UsageRow.resolved_model == self.model)
+                           | (UsageRow.requested_model == self.model))
+        if self.provider is not None:
+            clauses.append(UsageRow.provider == self.provider)
+        if self.status is not None:
+            clauses.append(UsageRow.status == self.status)
+        return clauses
+
+
+def _totals() -> list[Any]:
+    return [func.count().label("requests"), func.coalesce(func.sum(UsageRow.input_tokens), 0).label("input_tokens"),
+            func.coalesce(func.sum(UsageRow.output_tokens), 0).label("output_tokens"),
+            func.coalesce(func.sum(UsageRow.cost), 0.0).label("cost_usd")]
+
+
+def _row(row: Any, keys: list[str]) -> dict[str, Any]:
+    out = {k: getattr(row, k) for k in keys}
+    out.update(requests=int(row.requests), input_tokens=int(row.input_tokens), output_tokens=int(row.output_tokens),
+               cost_usd=round(float(row.cost_usd), 10))
+    return out
+
+
+async def summary(db: Database, group_by: list[str], where: UsageFilter) -> list[dict[str, Any]]:
+    columns = [getattr(UsageRow, GROUPS[g]).label(g) for g in group_by]
+    query = select(*columns, *_totals()).where(*where.where())
+    if columns:
+        query = query.group_by(*columns).order_by(*columns)
+    async with db.session() as session:
+        rows = (await session.execute(query)).all()
+    return [_row(r, group_by) for r in rows]
+
+
+async def daily(db: Database, group_by: list[str], where: UsageFilter) -> list[dict[str, Any]]:
+    columns = [UsageRow.day.label("date")] + [getattr(UsageRow, GROUPS[g]).label(g) for g in group_by]
+    query = select(*columns, *_totals()).where(*where.where()).group_by(*columns).order_by(*columns)
+    async with db.session() as session:
+        rows = (await session.execute(query)).all()
+    return [_row(r, ["date", *group_by]) for r in rows]
+
+
+AUDIT_FIELDS = [c for c in UsageRow.__table__.columns.keys() if c not in ("day",)]
+
+
+async def audit(db: Database, where: UsageFilter, limit: int, before_id: int | None) -> tuple[list[dict[str, Any]],
+                                                                                                  int | None]:
+    """Rows newest first, ``limit`` a page; the second value is the ``before_id`` of the next page (or None)."""
+    query = select(UsageRow).where(*where.where())
+    if before_id is not None:
+        query = query.where(UsageRow.id < before_id)
+    query = query.order_by(UsageRow.id.desc()).limit(limit + 1)
+    async with db.session() as session:
+        rows = list((await session.execute(query)).scalars())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    data = []
+    for r in rows:
+        item = {k: getattr(r, k) for k in AUDIT_FIELDS}
+        item["time"] = r.time.astimezone(timezone.utc).isoformat() if r.time.tzinfo else r.time.isoformat() + "Z"
+        data.append(item)
+    return data, (rows[-1].id if more and rows else None)
+
+
+async def key_spend(db: Database, key_id: str | None, user_path: str) -> dict[str, Any]:
+    """A caller's own spend: today (UTC), this month and in all, by its key (or, keyless, its user path)."""
+    now = datetime.now(timezone.utc)
+    where = UsageFilter(key_id=key_id) if key_id is not None else UsageFilter(user_path=user_path)
+    out: dict[str, Any] = {}
+    for name, start in (("today", now.replace(hour=0, minute=0, second=0, microsecond=0)),
+                        ("this_month", now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)),
+                        ("total", None)):
+        where.start = start
+        rows = await summary(db, [], where)
+        out[name] = rows[0] if rows else {"requests": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0}
+    return out
