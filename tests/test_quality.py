@@ -1,4 +1,4 @@
-"""Order debiasing, contextual calibration, fitted temperatures, and ``decisiond eval``."""
+"""Order debiasing, contextual calibration, regularised fits, profiles, and ``decisiond eval`` / ``calibrate``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,20 @@ from typesafe_sdk import Choice, RetryPolicy, TypeSafeClient, TypeSafeUnprocessa
 
 from decisiond import evaluation
 from decisiond.canonical import DecisionRequest, Message, Option, Question, Text
-from decisiond.engine.calibration import CONTENT_FREE, Fit, Profile, Sample, VariantEvidence, combine, fit
+from decisiond.engine.calibration import (
+    CONTENT_FREE,
+    Fit,
+    Profile,
+    ProfileError,
+    Sample,
+    VariantEvidence,
+    combine,
+    fit,
+    folds,
+    regularised_fit,
+)
 from decisiond.engine.local import LocalEngine
-from decisiond.engine.prompt import labels_for, render_question
+from decisiond.engine.prompt import PROMPT_FORMAT_VERSION, labels_for, render_question
 from decisiond.probability import label_probabilities
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tickets.jsonl"
@@ -98,7 +109,7 @@ def test_fit_recovers_a_known_temperature_and_bias():
 
 
 def test_profile_is_applied_by_the_engine(tiny, tmp_path):
-    profile = Profile("tiny-random", 1, fits={"choice": Fit(temperature=3.0, bias=[0.5, 0, 0, 0])})
+    profile = Profile("tiny-random", PROMPT_FORMAT_VERSION, fits={"choice": Fit(temperature=3.0, bias=[0.5, 0, 0, 0])})
     profile.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
     assert loaded == profile
@@ -120,15 +131,26 @@ def test_metrics_by_hand():
     # bins: 0.7 (right), 0.6 (wrong), 0.9 (right), 0.8 (right) — each alone in its bin
     assert m["ece"] == pytest.approx((0.3 + 0.6 + 0.1 + 0.2) / 4)
     assert m["answered"] == 0.5 and m["answered_accuracy"] == 1.0
+    # The most confident half is 0.9 and 0.8 (both right); three quarters add 0.7 (right); all add 0.6 (wrong).
+    assert m["coverage_accuracy"] == 1.0
+    assert evaluation.metrics(pairs, 0.5, coverage=0.75)["coverage_accuracy"] == 1.0
+    assert evaluation.metrics(pairs, 0.5, coverage=1.0)["coverage_accuracy"] == 0.75
+    assert evaluation.metrics([([0.2, 0.8], 0), ([0.6, 0.4], 0)], 0.5, coverage=0.5)["coverage_accuracy"] == 0.0
 
 
-def test_calibrate_on_the_example_set_lowers_log_loss(tiny_engine):
+def test_calibrate_on_the_example_set_never_raises_cross_validated_log_loss(tiny_engine):
     items = evaluation.load(EXAMPLES)
     assert len(items) == 60 and items[0].gold == [0, 1, 0]
-    profile, summary = evaluation.calibrate(tiny_engine, items, progress=False, source=str(EXAMPLES))
-    assert set(profile.fits) == {"choice", "score", "yes_no"}
-    for row in summary.values():
-        assert row["log_loss_after"] <= row["log_loss_before"] + 1e-9
+    profile, summary = evaluation.calibrate(tiny_engine, items, order="cyclic", calibrate_mode="contextual",
+                                            with_bias=True, progress=False, source=str(EXAMPLES))
+    assert (profile.order, profile.calibrate, profile.model) == ("cyclic", "contextual", "tiny-random")
+    assert set(summary["kinds"]) == {"choice", "score", "yes_no"}
+    for kind, row in summary["kinds"].items():
+        assert row["questions"] == 60
+        assert row["cv_log_loss"] <= row["cv_log_loss_base"]
+        assert (kind in profile.fits) == (not row["kept_base"])
+        if not row["kept_base"]:
+            assert row["cv_log_loss"] == min(row["cv_log_loss_by_strength"].values()) < row["cv_log_loss_base"]
 
 
 def test_labeled_file_errors_name_the_line(tmp_path):
