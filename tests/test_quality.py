@@ -161,18 +161,48 @@ def test_labeled_file_errors_name_the_line(tmp_path):
         evaluation.load(bad)
 
 
-def test_eval_end_to_end_on_the_real_model(smollm_dir, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "decisiond.cli", "eval", str(EXAMPLES), "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+def test_eval_and_calibrate_auto_end_to_end_on_the_real_model(smollm_dir, tmp_path):
+    """A slice of the example set (6 items, 18 questions) through eval, calibrate --auto and decide."""
+    subset = tmp_path / "six.jsonl"
+    subset.write_text("\n".join(EXAMPLES.read_text().splitlines()[:6]) + "\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "decisiond.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=600)
+
+    done = cli("eval", str(subset), "--out-dir", str(tmp_path), "--resamples", "200", "--coverage", "0.5")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["questions"] == 180 and set(report["modes"]) == set(evaluation.ALL_MODES)
+    assert report["questions"] == 18 and report["items"] == 6 and set(report["modes"]) == set(evaluation.ALL_MODES)
     for mode in evaluation.ALL_MODES:
         m = report["modes"][mode]["all"]
-        assert m["n"] == 180 and 0 <= m["accuracy"] <= 1 and m["log_loss"] > 0 and 0 <= m["ece"] <= 1
-        assert sum(report["modes"][mode][k]["n"] for k in evaluation.KINDS) == 180
+        assert m["n"] == 18 and 0 <= m["accuracy"] <= 1 and m["log_loss"] > 0 and 0 <= m["ece"] <= 1
+        assert m["interval"]["log_loss"][0] <= m["log_loss"] <= m["interval"]["log_loss"][1]
+        assert sum(report["modes"][mode][k]["n"] for k in evaluation.KINDS) == 18
+        assert sum(r["count"] for r in report["reliability"][mode]) == 18
     assert (tmp_path / "reliability.png").read_bytes().startswith(b"\x89PNG")
-    assert "| fitted | 180 |" in done.stdout and "scoring" in done.stderr  # the table, and the progress bar
+    best = report["best_mode"]
+    assert f"| **{best}** ★ | 18 |" in done.stdout and done.stdout.count("★") == 3
+    assert "scoring" in done.stderr  # the progress bar
+
+    done = cli("calibrate", str(subset), "--auto", "--out", str(tmp_path / "profile.json"), "--resamples", "200")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"best mode by cross-validated log loss: {best}" in done.stdout
+    profile = Profile.load(tmp_path / "profile.json")
+    assert profile.model == "SmolLM2-135M-Instruct" and profile.prompt_format_version == PROMPT_FORMAT_VERSION
+    assert evaluation.mode_name(profile.order, profile.calibrate, bool(profile.fits)) in (best, best.split("+")[0])
+
+    ticket = tmp_path / "ticket.json"
+    ticket.write_text(json.dumps({"model": "default", "input": "I was charged twice.", "questions": [
+        {"type": "choice", "name": "team", "instructions": "Which team?", "choices": [{"value": o} for o in OPTIONS]}]}))
+    done = cli("decide", str(ticket), "--calibration", str(tmp_path / "profile.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout)["answers"][0]
+    assert ("order_spread" in answer) == (profile.order == "cyclic")
+    other = "given" if profile.order == "cyclic" else "cyclic"
+    done = cli("decide", str(ticket), "--calibration", str(tmp_path / "profile.json"), "--order", other)
+    assert done.returncode == 2 and f"fitted with order {profile.order!r}, not {other!r}" in done.stderr
 
 
 def test_extensions_through_the_sdks(server, openai_client):

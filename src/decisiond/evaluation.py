@@ -276,10 +276,12 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
 
     fig, (ax, counts) = plt.subplots(2, 1, figsize=(7, 9), dpi=100, height_ratios=(3, 1), sharex=True)
     ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
-    for k, (mode, rows) in enumerate(report["reliability"].items()):
+    for mode, rows in report["reliability"].items():
         if not rows:
             continue
-        style = {"color": f"C{k}", "linestyle": ":" if mode.endswith(FIT) else "-"}
+        fitted = mode.endswith(FIT)  # drawn dotted, in its base mode's colour
+        style = {"color": f"C{list(MODES).index(mode[: -len(FIT)] if fitted else mode)}",
+                 "linestyle": ":" if fitted else "-"}
         x = [r["confidence"] for r in rows]
         ax.plot(x, [r["accuracy"] for r in rows], marker="o", **style,
                 label=f"{mode} (ECE {report['modes'][mode]['all']['ece']:.3f})")
@@ -290,7 +292,8 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel("accuracy")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_title(f"Reliability: {report['model']}, {report['questions']} questions (numbers: questions per bin)")
+    ax.set_title(f"Reliability: {report['model']}, {report['questions']} questions\n(numbers: questions per bin; "
+                 f"dotted: +fit)", fontsize=10)
     ax.legend(loc="upper left", fontsize=7)
     counts.set_xlabel("top probability (bin mean)")
     counts.set_ylabel("questions in bin")
