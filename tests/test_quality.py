@@ -20,13 +20,10 @@ from decisiond.engine.calibration import (
     CONTENT_FREE,
     Fit,
     Profile,
-    ProfileError,
     Sample,
     VariantEvidence,
     combine,
     fit,
-    folds,
-    regularised_fit,
 )
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.prompt import PROMPT_FORMAT_VERSION, labels_for, render_question
@@ -162,7 +159,8 @@ def test_labeled_file_errors_name_the_line(tmp_path):
 
 
 def test_eval_and_calibrate_auto_end_to_end_on_the_real_model(smollm_dir, tmp_path):
-    """A slice of the example set (6 items, 18 questions) through eval, calibrate --auto and decide."""
+    """A slice of the example set (6 items, 18 questions) through eval and calibrate --auto (applying profiles is
+    tested on the tiny model in test_fits.py)."""
     subset = tmp_path / "six.jsonl"
     subset.write_text("\n".join(EXAMPLES.read_text().splitlines()[:6]) + "\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -192,17 +190,6 @@ def test_eval_and_calibrate_auto_end_to_end_on_the_real_model(smollm_dir, tmp_pa
     profile = Profile.load(tmp_path / "profile.json")
     assert profile.model == "SmolLM2-135M-Instruct" and profile.prompt_format_version == PROMPT_FORMAT_VERSION
     assert evaluation.mode_name(profile.order, profile.calibrate, bool(profile.fits)) in (best, best.split("+")[0])
-
-    ticket = tmp_path / "ticket.json"
-    ticket.write_text(json.dumps({"model": "default", "input": "I was charged twice.", "questions": [
-        {"type": "choice", "name": "team", "instructions": "Which team?", "choices": [{"value": o} for o in OPTIONS]}]}))
-    done = cli("decide", str(ticket), "--calibration", str(tmp_path / "profile.json"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    answer = json.loads(done.stdout)["answers"][0]
-    assert ("order_spread" in answer) == (profile.order == "cyclic")
-    other = "given" if profile.order == "cyclic" else "cyclic"
-    done = cli("decide", str(ticket), "--calibration", str(tmp_path / "profile.json"), "--order", other)
-    assert done.returncode == 2 and f"fitted with order {profile.order!r}, not {other!r}" in done.stderr
 
 
 def test_extensions_through_the_sdks(server, openai_client):

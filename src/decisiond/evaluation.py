@@ -327,8 +327,8 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", f"★ lowest log loss (cross-validated for +fit modes). Intervals: bootstrap over "
                   f"{report['items']} items, {report['bootstrap']['resamples']} resamples, seed "
                   f"{report['bootstrap']['seed']}.", "",
-              f"| mode | questions | accuracy | log loss | Brier | ECE | answered at p ≥ {t:g} | accuracy when answered "
-              f"| accuracy at coverage {c:g} |",
+              f"| mode | questions | accuracy | log loss | Brier | ECE | answered at p ≥ {t:g} "
+              f"| accuracy when answered | accuracy at coverage {c:g} |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scope in ("all", *KINDS):
         for mode in ALL_MODES:
