@@ -1,4 +1,4 @@
-"""Order debiasing, contextual calibration, fitted temperatures, and ``decisiond eval``."""
+"""Order debiasing, contextual calibration, regularised fits, profiles, and ``decisiond eval`` / ``calibrate``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,17 @@ from typesafe_sdk import Choice, RetryPolicy, TypeSafeClient, TypeSafeUnprocessa
 
 from decisiond import evaluation
 from decisiond.canonical import DecisionRequest, Message, Option, Question, Text
-from decisiond.engine.calibration import CONTENT_FREE, Fit, Profile, Sample, VariantEvidence, combine, fit
+from decisiond.engine.calibration import (
+    CONTENT_FREE,
+    Fit,
+    Profile,
+    Sample,
+    VariantEvidence,
+    combine,
+    fit,
+)
 from decisiond.engine.local import LocalEngine
-from decisiond.engine.prompt import labels_for, render_question
+from decisiond.engine.prompt import PROMPT_FORMAT_VERSION, labels_for, render_question
 from decisiond.probability import label_probabilities
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "tickets.jsonl"
@@ -98,7 +106,7 @@ def test_fit_recovers_a_known_temperature_and_bias():
 
 
 def test_profile_is_applied_by_the_engine(tiny, tmp_path):
-    profile = Profile("tiny-random", 1, fits={"choice": Fit(temperature=3.0, bias=[0.5, 0, 0, 0])})
+    profile = Profile("tiny-random", PROMPT_FORMAT_VERSION, fits={"choice": Fit(temperature=3.0, bias=[0.5, 0, 0, 0])})
     profile.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
     assert loaded == profile
@@ -120,15 +128,26 @@ def test_metrics_by_hand():
     # bins: 0.7 (right), 0.6 (wrong), 0.9 (right), 0.8 (right) — each alone in its bin
     assert m["ece"] == pytest.approx((0.3 + 0.6 + 0.1 + 0.2) / 4)
     assert m["answered"] == 0.5 and m["answered_accuracy"] == 1.0
+    # The most confident half is 0.9 and 0.8 (both right); three quarters add 0.7 (right); all add 0.6 (wrong).
+    assert m["coverage_accuracy"] == 1.0
+    assert evaluation.metrics(pairs, 0.5, coverage=0.75)["coverage_accuracy"] == 1.0
+    assert evaluation.metrics(pairs, 0.5, coverage=1.0)["coverage_accuracy"] == 0.75
+    assert evaluation.metrics([([0.2, 0.8], 0), ([0.6, 0.4], 0)], 0.5, coverage=0.5)["coverage_accuracy"] == 0.0
 
 
-def test_calibrate_on_the_example_set_lowers_log_loss(tiny_engine):
+def test_calibrate_on_the_example_set_never_raises_cross_validated_log_loss(tiny_engine):
     items = evaluation.load(EXAMPLES)
     assert len(items) == 60 and items[0].gold == [0, 1, 0]
-    profile, summary = evaluation.calibrate(tiny_engine, items, progress=False, source=str(EXAMPLES))
-    assert set(profile.fits) == {"choice", "score", "yes_no"}
-    for row in summary.values():
-        assert row["log_loss_after"] <= row["log_loss_before"] + 1e-9
+    profile, summary = evaluation.calibrate(tiny_engine, items, order="cyclic", calibrate_mode="contextual",
+                                            with_bias=True, progress=False, source=str(EXAMPLES))
+    assert (profile.order, profile.calibrate, profile.model) == ("cyclic", "contextual", "tiny-random")
+    assert set(summary["kinds"]) == {"choice", "score", "yes_no"}
+    for kind, row in summary["kinds"].items():
+        assert row["questions"] == 60
+        assert row["cv_log_loss"] <= row["cv_log_loss_base"]
+        assert (kind in profile.fits) == (not row["kept_base"])
+        if not row["kept_base"]:
+            assert row["cv_log_loss"] == min(row["cv_log_loss_by_strength"].values()) < row["cv_log_loss_base"]
 
 
 def test_labeled_file_errors_name_the_line(tmp_path):
@@ -139,18 +158,38 @@ def test_labeled_file_errors_name_the_line(tmp_path):
         evaluation.load(bad)
 
 
-def test_eval_end_to_end_on_the_real_model(smollm_dir, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "decisiond.cli", "eval", str(EXAMPLES), "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+def test_eval_and_calibrate_auto_end_to_end_on_the_real_model(smollm_dir, tmp_path):
+    """A slice of the example set (6 items, 18 questions) through eval and calibrate --auto (applying profiles is
+    tested on the tiny model in test_fits.py)."""
+    subset = tmp_path / "six.jsonl"
+    subset.write_text("\n".join(EXAMPLES.read_text().splitlines()[:6]) + "\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "decisiond.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=600)
+
+    done = cli("eval", str(subset), "--out-dir", str(tmp_path), "--resamples", "200", "--coverage", "0.5")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["questions"] == 180 and set(report["modes"]) == set(evaluation.ALL_MODES)
+    assert report["questions"] == 18 and report["items"] == 6 and set(report["modes"]) == set(evaluation.ALL_MODES)
     for mode in evaluation.ALL_MODES:
         m = report["modes"][mode]["all"]
-        assert m["n"] == 180 and 0 <= m["accuracy"] <= 1 and m["log_loss"] > 0 and 0 <= m["ece"] <= 1
-        assert sum(report["modes"][mode][k]["n"] for k in evaluation.KINDS) == 180
+        assert m["n"] == 18 and 0 <= m["accuracy"] <= 1 and m["log_loss"] > 0 and 0 <= m["ece"] <= 1
+        assert m["interval"]["log_loss"][0] <= m["log_loss"] <= m["interval"]["log_loss"][1]
+        assert sum(report["modes"][mode][k]["n"] for k in evaluation.KINDS) == 18
+        assert sum(r["count"] for r in report["reliability"][mode]) == 18
     assert (tmp_path / "reliability.png").read_bytes().startswith(b"\x89PNG")
-    assert "| fitted | 180 |" in done.stdout and "scoring" in done.stderr  # the table, and the progress bar
+    best = report["best_mode"]
+    assert f"| **{best}** ★ | 18 |" in done.stdout and done.stdout.count("★") == 3
+    assert "scoring" in done.stderr  # the progress bar
+
+    done = cli("calibrate", str(subset), "--auto", "--out", str(tmp_path / "profile.json"), "--resamples", "200")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"best mode by cross-validated log loss: {best}" in done.stdout
+    profile = Profile.load(tmp_path / "profile.json")
+    assert profile.model == "SmolLM2-135M-Instruct" and profile.prompt_format_version == PROMPT_FORMAT_VERSION
+    assert evaluation.mode_name(profile.order, profile.calibrate, bool(profile.fits)) in (best, best.split("+")[0])
 
 
 def test_extensions_through_the_sdks(server, openai_client):

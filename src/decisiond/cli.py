@@ -25,12 +25,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--order", default="given", choices=["given", "cyclic"],
-                   help="choice option order: as given, or averaged over every cyclic shift (requests may override)")
-    p.add_argument("--calibrate", default="none", choices=["none", "contextual"],
-                   help="divide out the label prior measured on content-free inputs (requests may override)")
+    p.add_argument("--order", default=None, choices=["given", "cyclic"],
+                   help="choice option order: as given, or averaged over every cyclic shift (requests may override; "
+                        "default: the profile's, else given)")
+    p.add_argument("--calibrate", default=None, choices=["none", "contextual"],
+                   help="divide out the label prior measured on content-free inputs (requests may override; "
+                        "default: the profile's, else none)")
     p.add_argument("--calibration", default=None, metavar="PROFILE",
-                   help="a profile written by 'decisiond calibrate': fitted temperatures per question type")
+                   help="a profile written by 'decisiond calibrate': the mode it was fitted under and fitted "
+                        "temperatures (and biases) per question type; refused for another model or prompt format")
 
 
 def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
@@ -54,20 +57,15 @@ def _engine(args: argparse.Namespace):
     if hasattr(args, "max_batch_tokens"):
         options = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000}
     if hasattr(args, "order"):
-        options.update(order=args.order, calibrate=args.calibrate, profile=_profile(args.calibration, loaded.name))
+        options.update(order=args.order, calibrate=args.calibrate, profile=_profile(args.calibration))
     return LocalEngine(loaded, **options)
 
 
-def _profile(path: str | None, model: str):
+def _profile(path: str | None):
+    """The calibration profile at ``path`` (None without one); the engine checks it fits its model and mode."""
     from .engine.calibration import Profile
 
-    if not path:
-        return None
-    profile = Profile.load(path)
-    if profile.model != model:
-        log.warning("calibration profile was fitted for another model", extra={"profile_model": profile.model,
-                                                                              "model": model})
-    return profile
+    return Profile.load(path) if path else None
 
 
 def _load_config(args: argparse.Namespace):
@@ -94,7 +92,7 @@ def _router(args: argparse.Namespace, config=None):
             engines[provider.name] = LocalEngine(
                 loaded, max_batch_tokens=args.max_batch_tokens, max_wait_s=args.max_wait_ms / 1000,
                 order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate,
-                profile=_profile(provider.calibration or args.calibration, loaded.name))
+                profile=_profile(provider.calibration or args.calibration))
     log.info("gateway configured", extra={"providers": [p.name for p in config.providers],
                                           "models": [m.name for m in config.models],
                                           "virtual_models": [v.name for v in config.virtual_models]})
@@ -115,6 +113,7 @@ def _loopback(host: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from .engine.calibration import ProfileError
     from .engine.model import ModelNotFound
     from .gateway.config import ConfigError, GatewayConfig
     from .gateway.service import Gateway
@@ -132,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         router = _router(args, config)
-    except (ConfigError, ModelNotFound) as error:
+    except (ConfigError, ModelNotFound, ProfileError) as error:
         log.error(str(error))
         print(f"decisiond: {error}", file=sys.stderr)
         return 2
@@ -148,6 +147,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     """One decision from a JSON request (OpenAI's shape) read from a file or stdin; the response on stdout."""
     from .dialects import openai as dialect
     from .dialects.common import parse_json
+    from .engine.calibration import ProfileError
     from .errors import DecisionError
     from .gateway.pipeline import Context
     from .gateway.router import Router
@@ -155,8 +155,13 @@ def cmd_decide(args: argparse.Namespace) -> int:
 
     raw = sys.stdin.buffer.read() if args.file in (None, "-") else open(args.file, "rb").read()
     try:
+        engine = _engine(args)
+    except ProfileError as error:
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    try:
         request = dialect.parse_request(parse_json(raw))
-        router = Router.local_only(_engine(args))
+        router = Router.local_only(engine)
         context = Context("cli", "decide", "openai", strict_model=False)
         result = asyncio.run(Gateway(router).pipeline.run(context, request))
         out, code = dialect.render_response(result, request), 0
@@ -190,39 +195,54 @@ def _load_engine_for(args: argparse.Namespace):
     from .engine import model as model_mod
     from .engine.local import LocalEngine
 
-    return LocalEngine(model_mod.load(args.model, dtype=args.dtype))
+    return LocalEngine(model_mod.load(args.model, dtype=args.dtype, served_name=args.served_model_name))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Accuracy, log loss, Brier, ECE per mode side by side; JSON report and reliability diagram."""
+    """Accuracy, log loss, Brier, ECE per mode side by side with bootstrap intervals; JSON report and reliability
+    diagram."""
     from pathlib import Path
 
     from . import evaluation
 
     items = evaluation.load(args.file)
-    report = evaluation.evaluate(_load_engine_for(args), items, threshold=args.threshold, with_bias=args.bias)
+    report = evaluation.evaluate(_load_engine_for(args), items, threshold=args.threshold, with_bias=args.bias,
+                                 coverage=args.coverage, resamples=args.resamples, seed=args.seed)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     evaluation.plot(report, out / "reliability.png")
     print(evaluation.table(report))
-    print(f"\nwrote {out / 'report.json'} and {out / 'reliability.png'}", file=sys.stderr)
+    print(f"\nbest mode: {report['best_mode']}; wrote {out / 'report.json'} and {out / 'reliability.png'}",
+          file=sys.stderr)
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Fit a temperature (and optionally a per-position bias) per question type; write a profile."""
+    """Fit a regularised temperature (and optionally a per-position bias) per question type on top of a mode, or
+    on top of the best mode (``--auto``); write a profile."""
     from . import evaluation
 
     items = evaluation.load(args.file)
     profile, summary = evaluation.calibrate(_load_engine_for(args), items, order=args.order,
-                                            calibrate_mode=args.calibrate, with_bias=args.bias, source=args.file)
+                                            calibrate_mode=args.calibrate, with_bias=args.bias, auto=args.auto,
+                                            source=args.file, resamples=args.resamples, seed=args.seed)
     profile.save(args.out)
-    for kind, row in summary.items():
-        print(f"{kind}: {row['questions']} questions, temperature {row['temperature']:.3f}, log loss "
-              f"{row['log_loss_before']:.3f} -> {row['log_loss_after']:.3f}")
-    print(f"wrote {args.out}; serve with: decisiond serve --order {args.order} --calibrate {args.calibrate} "
-          f"--calibration {args.out}", file=sys.stderr)
+    mode = evaluation.mode_name(profile.order, profile.calibrate)
+    if args.auto:
+        losses = ", ".join(f"{m} {v:.3f}" for m, v in summary["log_loss_by_mode"].items())
+        print(f"best mode by cross-validated log loss: {summary['best_mode']} ({losses})")
+    for kind, row in summary["kinds"].items():
+        if row["kept_base"]:
+            print(f"{kind}: {row['questions']} questions, kept the base mode {mode}: no fit beat it in "
+                  f"cross-validated log loss ({row['cv_log_loss_base']:.3f})")
+        else:
+            print(f"{kind}: {row['questions']} questions, {mode}+fit with L2 strength {row['strength']:g} "
+                  f"(chosen by {evaluation.FOLDS}-fold CV), temperature {row['temperature']:.3f}"
+                  + (f", bias {[round(b, 3) for b in row['bias']]}" if row["bias"] else "")
+                  + f", cross-validated log loss {row['cv_log_loss_base']:.3f} -> {row['cv_log_loss']:.3f}")
+    print(f"wrote {args.out}; serve with: decisiond serve --model {args.model} --calibration {args.out} "
+          f"(it applies order {profile.order}, calibrate {profile.calibrate} and the fits)", file=sys.stderr)
     return 0
 
 
@@ -328,6 +348,19 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_labeled_args(p: argparse.ArgumentParser) -> None:
+    """Arguments eval and calibrate share."""
+    p.add_argument("file", help="labeled JSON Lines (input, questions, gold)")
+    p.add_argument("--model", default="default")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name the model will be served under (a profile is tied to it)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--bias", action="store_true", help="fit a per-position bias too (a learned prior correction)")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the intervals (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument("--log-level", default="warning")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decisiond", description="Decision models from any chat LLM.")
     parser.add_argument("--version", action="version", version=f"decisiond {__version__}")
@@ -357,25 +390,24 @@ def build_parser() -> argparse.ArgumentParser:
     decide.set_defaults(func=cmd_decide)
 
     evaluate = sub.add_parser("eval", help="measure the quality of the probabilities on labeled data, per mode")
-    evaluate.add_argument("file", help="labeled JSON Lines (input, questions, gold)")
-    evaluate.add_argument("--model", default="default")
-    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_labeled_args(evaluate)
     evaluate.add_argument("--threshold", type=float, default=0.5,
                           help="answer only when the top probability reaches this (default 0.5)")
-    evaluate.add_argument("--bias", action="store_true", help="fit a per-position bias too in the fitted mode")
+    evaluate.add_argument("--coverage", type=float, default=0.5,
+                          help="also report the accuracy of this share of the most confident answers (default 0.5)")
     evaluate.add_argument("--out-dir", default="eval-report", help="where report.json and reliability.png go")
-    evaluate.add_argument("--log-level", default="warning")
     evaluate.set_defaults(func=cmd_eval)
 
-    calibrate = sub.add_parser("calibrate", help="fit temperatures on labeled data and write a calibration profile")
-    calibrate.add_argument("file", help="labeled JSON Lines (input, questions, gold)")
-    calibrate.add_argument("--model", default="default")
-    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    calibrate.add_argument("--order", default="given", choices=["given", "cyclic"])
-    calibrate.add_argument("--calibrate", default="none", choices=["none", "contextual"])
-    calibrate.add_argument("--bias", action="store_true", help="also fit a per-position bias (a prior correction)")
+    calibrate = sub.add_parser("calibrate", help="fit regularised temperatures (and biases) on labeled data on top of "
+                                                 "a mode and write a calibration profile")
+    _add_labeled_args(calibrate)
+    calibrate.add_argument("--order", default="given", choices=["given", "cyclic"], help="the base mode's order")
+    calibrate.add_argument("--calibrate", default="none", choices=["none", "contextual"],
+                           help="the base mode's calibration")
+    calibrate.add_argument("--auto", action="store_true",
+                           help="fit on top of the mode with the best cross-validated log loss (as eval finds it; "
+                                "overrides --order and --calibrate)")
     calibrate.add_argument("--out", default="calibration.json")
-    calibrate.add_argument("--log-level", default="warning")
     calibrate.set_defaults(func=cmd_calibrate)
 
     keys = sub.add_parser("keys", help="create, list and revoke managed API keys")

@@ -1,5 +1,5 @@
 """``decisiond eval`` and ``decisiond calibrate``: how good the probabilities are on labeled data, and fitting
-temperatures that make them better.
+corrections that make them better.
 
 Labeled data is JSON Lines, one object per line::
 
@@ -8,9 +8,16 @@ Labeled data is JSON Lines, one object per line::
      "gold": {"<question name>": <true/false for a predicate, the choice value, or the level index or label>}}
 
 Every item is scored once with every rendering the modes need (all cyclic shifts of choice options, and the
-content-free inputs of contextual calibration); the modes are then computed side by side from the same numbers:
-``raw`` (given order), ``cyclic``, ``contextual``, ``both``, and ``fitted`` (raw with a temperature per question
-type fitted by 2-fold cross-fitting, so no item is scored with a temperature fitted on itself).
+content-free inputs of contextual calibration); the modes are then computed side by side from the same numbers: the
+base modes ``raw`` (given order), ``cyclic``, ``contextual``, ``both``, and each base mode with a regularised fit on
+top (``raw+fit``, …: temperature, and with ``--bias`` a per-position bias, per question type). A ``+fit`` mode is
+judged by nested cross-fitting: each of ``FOLDS`` folds is scored by a fit (strength chosen by an inner
+cross-validation) on the other folds, so no item is judged by a correction fitted on itself. The mode with the
+lowest (cross-validated) log loss is the best mode; ``calibrate --auto`` writes a profile for it.
+
+Uncertainty: a percentile bootstrap over items (all questions of an item resampled together), ``resamples`` draws
+``numpy.random.default_rng(seed).integers(0, items, size=(resamples, items))``, 95% intervals by linear
+interpolation (``numpy.quantile``'s default); the paired difference against ``raw`` uses the same draws.
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ from typing import Any
 
 from .canonical import DecisionRequest
 from .dialects import openai as openai_wire
-from .engine.calibration import Fit, Profile, Sample, combine, fit
+from .engine.calibration import FOLDS, STRENGTHS, Fit, Profile, Sample, combine, folds, regularised_fit
 from .engine.prompt import PROMPT_FORMAT_VERSION
 from .errors import DecisionError
 
-MODES = {"raw": (False, False), "cyclic": (True, False), "contextual": (False, True), "both": (True, True)}
-ALL_MODES = (*MODES, "fitted")
+MODES = {"raw": ("given", "none"), "cyclic": ("cyclic", "none"), "contextual": ("given", "contextual"),
+         "both": ("cyclic", "contextual")}  # base mode -> (order, calibrate)
+FIT = "+fit"
+ALL_MODES = (*MODES, *(mode + FIT for mode in MODES))
 KINDS = ("choice", "score", "yes_no")
 BINS = 10
+REFERENCE = "raw"  # the mode paired differences are taken against
 
 
 @dataclass
@@ -76,151 +86,302 @@ def gold_index(question, value: Any) -> int:
     raise ValueError(f"gold {value!r} is not a level (index or label) of {question.name!r}")
 
 
-def collect(engine, items: list[LabeledItem], progress: bool = True) -> list[Sample]:
-    """Score every item once with every rendering any mode needs."""
+def mode_name(order: str, calibrate_mode: str, fitted: bool = False) -> str:
+    """The mode's name in reports: ``both`` for cyclic order with contextual calibration, ``both+fit`` with a fit."""
+    base = next(name for name, mode in MODES.items() if mode == (order, calibrate_mode))
+    return base + FIT if fitted else base
+
+
+def parse_mode(name: str) -> tuple[str, str, bool]:
+    """``(order, calibrate, fitted)`` of a mode name."""
+    fitted = name.endswith(FIT)
+    order, calibrate_mode = MODES[name[: -len(FIT)] if fitted else name]
+    return order, calibrate_mode, fitted
+
+
+def collect(engine, items: list[LabeledItem], progress: bool = True) -> tuple[list[Sample], list[int]]:
+    """Score every item once with every rendering any mode needs: the samples, and each one's item index."""
     from tqdm import tqdm
 
-    samples = []
-    for item in tqdm(items, desc="scoring", unit="item", disable=not progress):
+    samples, groups = [], []
+    for number, item in enumerate(tqdm(items, desc="scoring", unit="item", disable=not progress)):
         prepared, evidence = engine.evidence(item.request, order="cyclic", calibrate="contextual")
         for q, variants, gold in zip(prepared.questions, evidence, item.gold):
             samples.append(Sample(q.question.kind, variants, gold))
-    return samples
+            groups.append(number)
+    return samples, groups
 
 
-def probabilities(sample: Sample, mode: str, fitted: Fit | None = None) -> list[float]:
-    cyclic, contextual = MODES["raw" if mode == "fitted" else mode]
-    variants = sample.variants if cyclic else sample.variants[:1]
+def in_order(sample: Sample, order: str) -> Sample:
+    """The sample as a given mode sees it: every cyclic shift, or only the given order."""
+    return sample if order == "cyclic" else Sample(sample.kind, sample.variants[:1], sample.gold)
+
+
+def probabilities(sample: Sample, order: str, calibrate_mode: str, fitted: Fit | None = None) -> list[float]:
+    """The sample's probabilities under a mode, with a fitted correction when given."""
+    variants = in_order(sample, order).variants
+    contextual = calibrate_mode == "contextual"
     if fitted is None:
         return combine(variants, contextual)[0]
     return combine(variants, contextual, fitted.temperature, fitted.bias or None)[0]
 
 
-def cross_fitted(samples: list[Sample], with_bias: bool = False) -> list[list[float]]:
-    """Raw-mode probabilities with a temperature (and bias) per question type fitted on the other half."""
+def cross_fitted(samples: list[Sample], order: str, calibrate_mode: str, with_bias: bool = False
+                 ) -> tuple[list[list[float]], dict[str, list[float | None]]]:
+    """Probabilities under a base mode with a regularised fit per question type, each of ``FOLDS`` folds scored by
+    a fit on the others; and per type the strength each fold's fit chose (None: it kept the base mode)."""
     out: list[list[float] | None] = [None] * len(samples)
+    chosen: dict[str, list[float | None]] = {}
+    contextual = calibrate_mode == "contextual"
     for kind in KINDS:
         index = [i for i, s in enumerate(samples) if s.kind == kind]
-        folds = [index[0::2], index[1::2]]
-        for k, fold in enumerate(folds):
-            other = [samples[i] for i in folds[1 - k]]
-            fitted = fit([Sample(s.kind, s.variants[:1], s.gold) for s in other], with_bias=with_bias) if other else Fit()
-            for i in fold:
-                out[i] = probabilities(samples[i], "fitted", fitted)
-    return out  # type: ignore[return-value]
+        if not index:
+            continue
+        chosen[kind] = []
+        for held in folds(len(index)):
+            held_set = set(held)
+            rest = [in_order(samples[index[j]], order) for j in range(len(index)) if j not in held_set]
+            selection = regularised_fit(rest, contextual, with_bias)
+            chosen[kind].append(selection.strength)
+            for j in held:
+                out[index[j]] = probabilities(samples[index[j]], order, calibrate_mode, selection.fit)
+    return out, chosen  # type: ignore[return-value]
 
 
-def metrics(pairs: list[tuple[list[float], int]], threshold: float) -> dict[str, float]:
-    """Accuracy, log loss, Brier, ECE (10 equal-width bins of the top probability), and how many answers — and how
-    accurately — clear ``threshold`` on the top probability."""
+def predicted(p: list[float]) -> int:
+    """The answer: the most probable option, the first on ties."""
+    return max(range(len(p)), key=lambda i: (p[i], -i))
+
+
+def bin_of(top: float) -> int:
+    """The reliability bin of a top probability: (b/BINS, (b+1)/BINS], with 0 in the first bin."""
+    return min(BINS - 1, max(0, math.ceil(top * BINS) - 1))
+
+
+def metrics(pairs: list[tuple[list[float], int]], threshold: float, coverage: float = 0.5) -> dict[str, float]:
+    """Accuracy, log loss, Brier, ECE (``BINS`` equal-width bins of the top probability), how many answers — and
+    how accurately — clear ``threshold`` on the top probability, and the accuracy of the ``coverage`` share of
+    answers the model is most confident about (ceil(coverage · n) of them; ties in the order given)."""
     if not pairs:
         return {"n": 0}
     n = len(pairs)
     top = [max(p) for p, _ in pairs]
-    right = [max(range(len(p)), key=lambda i: (p[i], -i)) == g for p, g in pairs]
+    right = [predicted(p) == g for p, g in pairs]
     log_loss = -math.fsum(math.log(max(p[g], 1e-12)) for p, g in pairs) / n
     brier = math.fsum(math.fsum((pi - (i == g)) ** 2 for i, pi in enumerate(p)) for p, g in pairs) / n
-    ece = 0.0
-    for b in range(BINS):
-        members = [k for k, t in enumerate(top) if (b / BINS < t <= (b + 1) / BINS) or (b == 0 and t == 0)]
-        if members:
-            ece += len(members) / n * abs(sum(right[k] for k in members) / len(members)
-                                          - sum(top[k] for k in members) / len(members))
+    gap = [0.0] * BINS
+    for t, r in zip(top, right):
+        gap[bin_of(t)] += r - t
     answered = [k for k, t in enumerate(top) if t >= threshold]
+    confident = sorted(range(n), key=lambda k: -top[k])[: max(1, math.ceil(coverage * n))]
     return {
         "n": n,
         "accuracy": sum(right) / n,
         "log_loss": log_loss,
         "brier": brier,
-        "ece": ece,
+        "ece": math.fsum(abs(g) for g in gap) / n,
         "answered": len(answered) / n,
         "answered_accuracy": sum(right[k] for k in answered) / len(answered) if answered else float("nan"),
+        "coverage_accuracy": sum(right[k] for k in confident) / len(confident),
     }
 
 
-def evaluate(engine, items: list[LabeledItem], threshold: float = 0.5, with_bias: bool = False,
-             progress: bool = True) -> dict[str, Any]:
-    samples = collect(engine, items, progress)
-    per_mode = {mode: [probabilities(s, mode) for s in samples] for mode in MODES}
-    per_mode["fitted"] = cross_fitted(samples, with_bias)
-    report: dict[str, Any] = {"model": engine.name, "items": len(items), "questions": len(samples),
-                              "threshold": threshold, "modes": {}, "reliability": {}}
+INTERVAL_METRICS = ("accuracy", "log_loss", "ece")
+
+
+def bootstrap(per_mode: dict[str, list[list[float]]], golds: list[int], groups: list[int], resamples: int = 1000,
+              seed: int = 0, reference: str = REFERENCE) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """95% percentile intervals of accuracy, log loss and ECE per mode, and of the paired difference (mode minus
+    ``reference``) on the same draws. Items (``groups``: each question's item) are resampled with replacement; a
+    draw's metrics weigh each question by how often its item was drawn, which equals ``metrics`` on the
+    resampled list. Returns ``{mode: {"interval": {metric: [lo, hi]}, "vs_<reference>": {metric: [lo, hi]}}}``."""
+    import numpy as np
+
+    n_items = max(groups) + 1
+    draws = np.random.default_rng(seed).integers(0, n_items, size=(resamples, n_items))
+    counts = np.zeros((resamples, n_items))
+    np.add.at(counts, (np.arange(resamples)[:, None], draws), 1.0)
+    weights = counts[:, groups]  # resamples × questions
+    total = weights.sum(axis=1)
+
+    def per_draw(probs: list[list[float]]) -> dict[str, np.ndarray]:
+        top = np.array([max(p) for p in probs])
+        right = np.array([predicted(p) == g for p, g in zip(probs, golds)], dtype=float)
+        loss = np.array([-math.log(max(p[g], 1e-12)) for p, g in zip(probs, golds)])
+        gaps = np.zeros((len(probs), BINS))
+        gaps[np.arange(len(probs)), [bin_of(t) for t in top]] = right - top
+        return {"accuracy": weights @ right / total, "log_loss": weights @ loss / total,
+                "ece": np.abs(weights @ gaps).sum(axis=1) / total}
+
+    def interval(values: np.ndarray) -> list[float]:
+        return [float(v) for v in np.quantile(values, [0.025, 0.975])]
+
+    draws_per_mode = {mode: per_draw(probs) for mode, probs in per_mode.items()}
+    base = draws_per_mode[reference]
+    return {mode: {"interval": {k: interval(v[k]) for k in INTERVAL_METRICS},
+                   f"vs_{reference}": {k: interval(v[k] - base[k]) for k in INTERVAL_METRICS}}
+            for mode, v in draws_per_mode.items()}
+
+
+def assess(samples: list[Sample], groups: list[int], threshold: float = 0.5, coverage: float = 0.5,
+           with_bias: bool = False, resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Every mode's probabilities from the same scored samples, their metrics per question type and overall,
+    bootstrap intervals (overall), reliability bins, and the best mode."""
+    per_mode = {mode: [probabilities(s, *MODES[mode]) for s in samples] for mode in MODES}
+    strengths = {}
+    for mode in MODES:
+        per_mode[mode + FIT], strengths[mode + FIT] = cross_fitted(samples, *MODES[mode], with_bias)
+    golds = [s.gold for s in samples]
+    report: dict[str, Any] = {"questions": len(samples), "items": max(groups) + 1 if groups else 0,
+                              "threshold": threshold, "coverage": coverage, "bias": with_bias,
+                              "bootstrap": {"resamples": resamples, "seed": seed, "unit": "item"},
+                              "modes": {}, "reliability": {}, "fit_strengths": strengths}
+    intervals = bootstrap(per_mode, golds, groups, resamples, seed)
     for mode, probs in per_mode.items():
-        pairs = list(zip(probs, [s.gold for s in samples]))
-        by_kind = {kind: metrics([pr for pr, s in zip(pairs, samples) if s.kind == kind], threshold)
+        pairs = list(zip(probs, golds))
+        by_kind = {kind: metrics([pr for pr, s in zip(pairs, samples) if s.kind == kind], threshold, coverage)
                    for kind in KINDS}
-        report["modes"][mode] = {"all": metrics(pairs, threshold), **by_kind}
+        report["modes"][mode] = {"all": {**metrics(pairs, threshold, coverage), **intervals[mode]}, **by_kind}
         report["reliability"][mode] = reliability(pairs)
+    report["best_mode"] = best_mode(report)
     return report
 
 
+def best_mode(report: dict[str, Any]) -> str:
+    """The mode with the lowest overall (cross-validated, for ``+fit``) log loss; ties go to the simpler mode."""
+    return min(ALL_MODES, key=lambda mode: (report["modes"][mode]["all"]["log_loss"], ALL_MODES.index(mode)))
+
+
+def evaluate(engine, items: list[LabeledItem], threshold: float = 0.5, with_bias: bool = False,
+             coverage: float = 0.5, resamples: int = 1000, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    samples, groups = collect(engine, items, progress)
+    return {"model": engine.name, **assess(samples, groups, threshold, coverage, with_bias, resamples, seed)}
+
+
 def reliability(pairs: list[tuple[list[float], int]]) -> list[dict[str, float]]:
-    """Per bin of the top probability: count, mean confidence, accuracy."""
-    rows = []
-    for b in range(BINS):
-        members = [(max(p), max(range(len(p)), key=lambda i: (p[i], -i)) == g) for p, g in pairs
-                   if b / BINS < max(p) <= (b + 1) / BINS]
-        if members:
-            rows.append({"bin": b, "count": len(members), "confidence": sum(c for c, _ in members) / len(members),
-                         "accuracy": sum(r for _, r in members) / len(members)})
-    return rows
+    """Per non-empty bin of the top probability: count, mean confidence, accuracy."""
+    members: list[list[tuple[float, bool]]] = [[] for _ in range(BINS)]
+    for p, g in pairs:
+        members[bin_of(max(p))].append((max(p), predicted(p) == g))
+    return [{"bin": b, "count": len(m), "confidence": sum(c for c, _ in m) / len(m),
+             "accuracy": sum(r for _, r in m) / len(m)} for b, m in enumerate(members) if m]
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
+    """Reliability diagram (each point labeled with its bin's count) over a panel of the bins' counts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 6), dpi=100)
+    fig, (ax, counts) = plt.subplots(2, 1, figsize=(7, 9), dpi=100, height_ratios=(3, 1), sharex=True)
     ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
     for mode, rows in report["reliability"].items():
-        if rows:
-            ax.plot([r["confidence"] for r in rows], [r["accuracy"] for r in rows], marker="o",
-                    label=f"{mode} (ECE {report['modes'][mode]['all']['ece']:.3f})")
-    ax.set_xlabel("top probability (bin mean)")
+        if not rows:
+            continue
+        fitted = mode.endswith(FIT)  # drawn dotted, in its base mode's colour
+        style = {"color": f"C{list(MODES).index(mode[: -len(FIT)] if fitted else mode)}",
+                 "linestyle": ":" if fitted else "-"}
+        x = [r["confidence"] for r in rows]
+        ax.plot(x, [r["accuracy"] for r in rows], marker="o", **style,
+                label=f"{mode} (ECE {report['modes'][mode]['all']['ece']:.3f})")
+        for r in rows:
+            ax.annotate(str(r["count"]), (r["confidence"], r["accuracy"]), textcoords="offset points",
+                        xytext=(4, 3), fontsize=6, color=style["color"])
+        counts.plot(x, [r["count"] for r in rows], marker=".", **style)
     ax.set_ylabel("accuracy")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_title(f"Reliability: {report['model']}, {report['questions']} questions")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"Reliability: {report['model']}, {report['questions']} questions\n(numbers: questions per bin; "
+                 f"dotted: +fit)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=7)
+    counts.set_xlabel("top probability (bin mean)")
+    counts.set_ylabel("questions in bin")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _ci(values: list[float], signed: bool = False) -> str:
+    fmt = "{:+.3f}" if signed else "{:.3f}"
+    return f"[{fmt.format(values[0])}, {fmt.format(values[1])}]"
+
+
 def table(report: dict[str, Any]) -> str:
-    t = report["threshold"]
-    lines = [f"| mode | questions | accuracy | log loss | Brier | ECE | answered at p ≥ {t:g} | accuracy when answered |",
+    """Markdown: every mode overall with 95% intervals and the paired difference against raw, then per type."""
+    t, c, best = report["threshold"], report["coverage"], report["best_mode"]
+    ref = f"vs_{REFERENCE}"
+
+    def label(mode: str) -> str:
+        return f"**{mode}** ★" if mode == best else mode
+
+    lines = [f"| mode | questions | accuracy [95% CI] | log loss [95% CI] | ECE [95% CI] | Δ accuracy vs {REFERENCE} "
+             f"| Δ log loss vs {REFERENCE} | Δ ECE vs {REFERENCE} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode in ALL_MODES:
+        m = report["modes"][mode]["all"]
+        r = report["modes"][REFERENCE]["all"]
+        cells = [f"{m[k]:.3f} {_ci(m['interval'][k])}" for k in INTERVAL_METRICS]
+        cells += [f"{m[k] - r[k]:+.3f} {_ci(m[ref][k], signed=True)}" for k in INTERVAL_METRICS]
+        lines.append(f"| {label(mode)} | {m['n']} | " + " | ".join(cells) + " |")
+    lines += ["", f"★ lowest log loss (cross-validated for +fit modes). Intervals: bootstrap over "
+                  f"{report['items']} items, {report['bootstrap']['resamples']} resamples, seed "
+                  f"{report['bootstrap']['seed']}.", "",
+              f"| mode | questions | accuracy | log loss | Brier | ECE | answered at p ≥ {t:g} "
+              f"| accuracy when answered | accuracy at coverage {c:g} |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scope in ("all", *KINDS):
         for mode in ALL_MODES:
             m = report["modes"][mode][scope]
             if not m.get("n"):
                 continue
-            label = mode if scope == "all" else f"{mode} — {scope}"
-            lines.append(f"| {label} | {m['n']} | {m['accuracy']:.3f} | {m['log_loss']:.3f} | {m['brier']:.3f} | "
-                         f"{m['ece']:.3f} | {m['answered']:.2f} | {m['answered_accuracy']:.3f} |")
+            name = label(mode) if scope == "all" else f"{mode} — {scope}"
+            lines.append(f"| {name} | {m['n']} | {m['accuracy']:.3f} | {m['log_loss']:.3f} | {m['brier']:.3f} | "
+                         f"{m['ece']:.3f} | {m['answered']:.2f} | {m['answered_accuracy']:.3f} | "
+                         f"{m['coverage_accuracy']:.3f} |")
     return "\n".join(lines)
 
 
-def calibrate(engine, items: list[LabeledItem], order: str = "given", calibrate_mode: str = "none",
-              with_bias: bool = False, progress: bool = True, source: str = "") -> tuple[Profile, dict[str, Any]]:
-    """Fit a temperature (and bias) per question type under the given mode; report log loss before and after."""
-    samples = collect(engine, items, progress)
-    cyclic, contextual = order == "cyclic", calibrate_mode == "contextual"
-    profile = Profile(engine.name, PROMPT_FORMAT_VERSION, order, calibrate_mode,
-                      data={"file": source, "items": len(items), "questions": len(samples)})
+def fit_profile(samples: list[Sample], order: str, calibrate_mode: str, with_bias: bool, model: str,
+                data: dict[str, Any]) -> tuple[Profile, dict[str, Any]]:
+    """A profile for one mode: a regularised fit per question type on all ``samples`` (a type whose fit does not
+    beat the base mode in cross-validated log loss keeps the base mode: no entry), and per type what was chosen."""
+    profile = Profile(model, PROMPT_FORMAT_VERSION, order, calibrate_mode, data=data)
     summary = {}
     for kind in KINDS:
-        chosen = [Sample(s.kind, s.variants if cyclic else s.variants[:1], s.gold) for s in samples if s.kind == kind]
+        chosen = [in_order(s, order) for s in samples if s.kind == kind]
         if not chosen:
             continue
-        fitted = fit(chosen, contextual, with_bias)
-        profile.fits[kind] = fitted
-        before = metrics([(combine(s.variants, contextual)[0], s.gold) for s in chosen], 0.5)["log_loss"]
-        after = metrics([(combine(s.variants, contextual, fitted.temperature, fitted.bias or None)[0], s.gold)
-                         for s in chosen], 0.5)["log_loss"]
-        summary[kind] = {"questions": len(chosen), "temperature": fitted.temperature, "bias": fitted.bias,
-                         "log_loss_before": before, "log_loss_after": after}
+        selection = regularised_fit(chosen, calibrate_mode == "contextual", with_bias)
+        if not selection.kept_base:
+            profile.fits[kind] = selection.fit
+        summary[kind] = {"questions": len(chosen), "kept_base": selection.kept_base, "strength": selection.strength,
+                         "temperature": selection.fit.temperature, "bias": selection.fit.bias,
+                         "cv_log_loss_base": selection.base_log_loss, "cv_log_loss": selection.cv_log_loss,
+                         "cv_log_loss_by_strength": selection.candidates}
+    profile.data["fits"] = summary
     return profile, summary
+
+
+def calibrate(engine, items: list[LabeledItem], order: str = "given", calibrate_mode: str = "none",
+              with_bias: bool = False, auto: bool = False, progress: bool = True, source: str = "",
+              resamples: int = 1000, seed: int = 0) -> tuple[Profile, dict[str, Any]]:
+    """A profile fitted on labeled data under the given mode, or (``auto``) under the mode ``eval`` finds best.
+
+    The summary has, per question type, the chosen strength and cross-validated log loss with and without the fit;
+    with ``auto`` also ``best_mode`` and the overall log loss of every mode."""
+    samples, groups = collect(engine, items, progress)
+    data = {"file": source, "items": len(items), "questions": len(samples), "bias": with_bias,
+            "strengths": list(STRENGTHS), "folds": FOLDS}
+    extra: dict[str, Any] = {}
+    fitted = True
+    if auto:
+        report = assess(samples, groups, with_bias=with_bias, resamples=resamples, seed=seed)
+        order, calibrate_mode, fitted = parse_mode(report["best_mode"])
+        extra = {"best_mode": report["best_mode"],
+                 "log_loss_by_mode": {m: report["modes"][m]["all"]["log_loss"] for m in ALL_MODES}}
+        data.update(extra)
+    if not fitted:  # the best mode is a base mode: the profile sets the mode only
+        return Profile(engine.name, PROMPT_FORMAT_VERSION, order, calibrate_mode, data=data), {**extra, "kinds": {}}
+    profile, summary = fit_profile(samples, order, calibrate_mode, with_bias, engine.name, data)
+    return profile, {**extra, "kinds": summary}

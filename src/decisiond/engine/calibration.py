@@ -10,8 +10,11 @@ applied to the labels' log-probabilities (``z``) before the softmax over the lab
 - **calibrate** ``contextual`` (Zhao et al., 2021): the question is also scored on content-free inputs
   (``N/A``, empty, ``[MASK]``); their mean label probabilities are the model's prior for that rendered question,
   which is divided out: ``z_i − log prior_i``. The prior is cached per rendered question.
-- **fitted** temperature (and optionally a per-position bias) per question type, fitted by ``decisiond
-  calibrate`` to minimise log loss on labeled data: ``softmax((z + bias) / T)``.
+- **fitted** temperature (and optionally a per-position bias) per question type, on top of any of the modes
+  above: ``softmax((z + bias) / T)``. ``decisiond calibrate`` minimises log loss on labeled data plus an L2 penalty
+  toward the identity (T = 1, b = 0) whose strength is chosen by cross-validation; the identity (the base mode
+  unchanged) is kept unless a fit beats it in cross-validated log loss, so with few items the fit stays near it.
+  A ``Profile`` records the whole mode, the fits, and the model and prompt format version they belong to.
 
 ``label_mass`` stays the raw full-vocabulary mass; ``confidence`` is computed from the final probabilities.
 """
@@ -80,11 +83,20 @@ def shifts(n: int, cyclic: bool) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------------- fitting
 
+# L2 strengths toward the identity (T = 1, b = 0) tried by cross-validation, strongest first; the identity itself
+# (no fit) is always a candidate, so a fitted correction is kept only when it beats the base mode.
+STRENGTHS = (10.0, 1.0, 0.1, 0.01, 0.001)
+FOLDS = 5
+
 
 @dataclass
 class Fit:
     temperature: float = 1.0
     bias: list[float] = field(default_factory=list)
+
+    @property
+    def identity(self) -> bool:
+        return self.temperature == 1.0 and not any(self.bias)
 
 
 @dataclass
@@ -94,34 +106,60 @@ class Sample:
     gold: int  # original candidate index
 
 
-def fit(samples: list[Sample], contextual: bool = False, with_bias: bool = False, steps: int = 200) -> Fit:
-    """Temperature (and per-position bias) minimising log loss over ``samples`` (one question type)."""
+class _Batch:
+    """Samples of one question type as padded tensors, so a fit's loss is a few tensor operations.
+
+    ``z``: samples × variants × shown positions (padding 0), ``valid``: real positions, ``weight``: 1 / variants on
+    real variants (0 on padding), ``gold``: where each variant showed the gold option."""
+
+    def __init__(self, samples: list[Sample], contextual: bool):
+        import torch
+
+        self.size = len(samples)
+        self.width = max(len(s.variants[0].order) for s in samples)
+        depth = max(len(s.variants) for s in samples)
+        self.z = torch.zeros(self.size, depth, self.width, dtype=torch.float64)
+        self.valid = torch.zeros(self.size, depth, self.width, dtype=torch.bool)
+        self.weight = torch.zeros(self.size, depth, dtype=torch.float64)
+        self.gold = torch.zeros(self.size, depth, dtype=torch.long)
+        for i, s in enumerate(samples):
+            for v, variant in enumerate(s.variants):
+                n = len(variant.order)
+                self.z[i, v, :n] = torch.tensor(logits(variant, contextual), dtype=torch.float64)
+                self.valid[i, v, :n] = True
+                self.weight[i, v] = 1.0 / len(s.variants)
+                self.gold[i, v] = variant.order.index(s.gold)
+
+    def subset(self, index: list[int]) -> "_Batch":
+        part = object.__new__(_Batch)
+        part.size, part.width = len(index), self.width
+        for name in ("z", "valid", "weight", "gold"):
+            setattr(part, name, getattr(self, name)[index])
+        return part
+
+    def nll(self, log_t, bias):
+        """Per-sample negative log-probability of the gold option under ``softmax((z + bias) / exp(log_t))``,
+        averaged over variants as ``combine`` does (probabilities clamped at 1e-12, as the metrics do)."""
+        import torch
+
+        scaled = torch.where(self.valid, (self.z + bias) / log_t.exp(), torch.tensor(-math.inf, dtype=torch.float64))
+        probs = torch.softmax(scaled, dim=-1).gather(-1, self.gold.unsqueeze(-1)).squeeze(-1)
+        return -torch.log((probs * self.weight).sum(-1).clamp_min(1e-12))
+
+
+def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100) -> Fit:
     import torch
 
-    if not samples:
-        return Fit()
-    width = max(len(s.variants[0].order) for s in samples)
     log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros(width, dtype=torch.float64, requires_grad=with_bias)
-    prepared = []
-    for s in samples:
-        zs = torch.tensor([logits(v, contextual) for v in s.variants], dtype=torch.float64)
-        back = torch.tensor([v.order.index(s.gold) for v in s.variants])  # where the gold option was shown
-        prepared.append((zs, back))
+    bias = torch.zeros(batch.width, dtype=torch.float64, requires_grad=with_bias)
     params = [log_t] + ([bias] if with_bias else [])
-    optimiser = torch.optim.LBFGS(params, lr=0.5, max_iter=steps, line_search_fn="strong_wolfe")
+    optimiser = torch.optim.LBFGS(params, lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
 
     def loss_fn():
         optimiser.zero_grad()
-        total = torch.zeros((), dtype=torch.float64)
-        for zs, back in prepared:
-            n = zs.shape[1]
-            probs = torch.softmax((zs + bias[:n]) / log_t.exp(), dim=-1)  # variants × shown positions
-            p_gold = probs[torch.arange(len(back)), back].mean()
-            total = total - torch.log(p_gold.clamp_min(1e-300))
-        total = total / len(prepared) + (1e-3 * (bias ** 2).sum() if with_bias else 0.0)
-        total.backward()
-        return total
+        loss = batch.nll(log_t, bias).mean() + strength * (log_t ** 2 + (bias ** 2).sum())
+        loss.backward()
+        return loss
 
     optimiser.step(loss_fn)
     t = float(log_t.detach().exp())
@@ -130,12 +168,84 @@ def fit(samples: list[Sample], contextual: bool = False, with_bias: bool = False
     return Fit(temperature=t, bias=[float(b) for b in bias.detach()] if with_bias else [])
 
 
+def _log_loss(batch: _Batch, fitted: Fit) -> float:
+    import torch
+
+    bias = torch.tensor(fitted.bias or [0.0] * batch.width, dtype=torch.float64)
+    log_t = torch.tensor(math.log(fitted.temperature), dtype=torch.float64)
+    with torch.no_grad():
+        return float(batch.nll(log_t, bias).mean())
+
+
+def fit(samples: list[Sample], contextual: bool = False, with_bias: bool = False, strength: float = 0.0,
+        steps: int = 100) -> Fit:
+    """Temperature (and per-position bias) minimising ``mean log loss + strength · (log² T + |b|²)`` over
+    ``samples`` (one question type, each with the variants of the mode it is fitted on)."""
+    if not samples:
+        return Fit()
+    return _fit_batch(_Batch(samples, contextual), with_bias, strength, steps)
+
+
+def folds(n: int, k: int = FOLDS) -> list[list[int]]:
+    """Deterministic interleaved folds of ``range(n)``: at most ``k``, none empty."""
+    k = min(k, n)
+    return [list(range(j, n, k)) for j in range(k)]
+
+
+def _cross_validated(batch: _Batch, with_bias: bool, strength: float | None) -> float:
+    if strength is None:
+        return _log_loss(batch, Fit())
+    total = 0.0
+    for held in folds(batch.size):
+        held_set = set(held)
+        rest = [i for i in range(batch.size) if i not in held_set]
+        fitted = _fit_batch(batch.subset(rest), with_bias, strength)
+        total += _log_loss(batch.subset(held), fitted) * len(held)
+    return total / batch.size
+
+
+@dataclass
+class Selection:
+    """The outcome of a regularised fit: the fit (the identity when no strength beat the base mode), the strength
+    chosen (None: the base mode was kept), and the cross-validated log loss of every candidate."""
+
+    fit: Fit
+    strength: float | None
+    base_log_loss: float
+    cv_log_loss: float  # of the chosen candidate (== base_log_loss when the base mode is kept)
+    candidates: dict[str, float] = field(default_factory=dict)  # str(strength) -> CV log loss
+
+    @property
+    def kept_base(self) -> bool:
+        return self.strength is None
+
+
+def regularised_fit(samples: list[Sample], contextual: bool = False, with_bias: bool = False) -> Selection:
+    """Fit toward the identity with the L2 strength of ``STRENGTHS`` that has the lowest cross-validated log loss,
+    or keep the base mode (no fit) unless one strictly beats it. Ties go to the stronger penalty."""
+    if len(samples) < 2:
+        loss = _log_loss(_Batch(samples, contextual), Fit()) if samples else float("nan")
+        return Selection(Fit(), None, loss, loss)
+    batch = _Batch(samples, contextual)
+    base = _cross_validated(batch, with_bias, None)
+    candidates = {str(s): _cross_validated(batch, with_bias, s) for s in STRENGTHS}
+    strength = min(STRENGTHS, key=lambda s: candidates[str(s)])  # first (strongest) on ties
+    if not candidates[str(strength)] < base:
+        return Selection(Fit(), None, base, base, candidates)
+    return Selection(_fit_batch(batch, with_bias, strength), strength, base, candidates[str(strength)], candidates)
+
+
 # ------------------------------------------------------------------------------------------- profile
+
+
+class ProfileError(ValueError):
+    """A calibration profile that cannot be read, or was fitted for another model, prompt format or mode."""
 
 
 @dataclass
 class Profile:
-    """A calibration profile: fitted corrections per question type, for one model and prompt format."""
+    """A calibration profile: the whole mode it was fitted under (option order, calibration) and the fitted
+    corrections per question type, for one model and prompt format version."""
 
     model: str
     prompt_format_version: int
@@ -144,7 +254,31 @@ class Profile:
     fits: dict[str, Fit] = field(default_factory=dict)
     data: dict = field(default_factory=dict)
 
-    def for_kind(self, kind: str) -> Fit | None:
+    def check(self, model: str, prompt_format_version: int) -> None:
+        """Refuse a profile fitted for another model or prompt format version: its corrections would be wrong."""
+        if self.model != model:
+            raise ProfileError(f"the calibration profile was fitted for model {self.model!r}, not {model!r}; run "
+                               f"'decisiond calibrate' with this model (the same --model and --served-model-name)")
+        if self.prompt_format_version != prompt_format_version:
+            raise ProfileError(f"the calibration profile was fitted for prompt format version "
+                               f"{self.prompt_format_version}, but this decisiond renders version "
+                               f"{prompt_format_version}; run 'decisiond calibrate' again")
+
+    def mode(self, order: str | None = None, calibrate: str | None = None) -> tuple[str, str]:
+        """The serving mode: the profile's own, which an explicit ``order``/``calibrate`` may only repeat."""
+        for name, given, own in (("order", order, self.order), ("calibrate", calibrate, self.calibrate)):
+            if given is not None and given != own:
+                raise ProfileError(f"the calibration profile was fitted with {name} {own!r}, not {given!r}; drop "
+                                   f"the {name} setting (the profile sets it) or calibrate under {name} {given!r}")
+        return self.order, self.calibrate
+
+    def for_kind(self, kind: str, order: str | None = None, calibrate: str | None = None) -> Fit | None:
+        """The fit for a question type, when the question is answered under the mode it was fitted on (a request
+        that overrides the mode gets no fitted correction; order matters for choice questions only)."""
+        if calibrate is not None and calibrate != self.calibrate:
+            return None
+        if kind == "choice" and order is not None and order != self.order:
+            return None
         return self.fits.get(kind)
 
     def save(self, path: str | Path) -> None:
@@ -152,6 +286,12 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        data = json.loads(Path(path).read_text())
-        fits = {kind: Fit(**f) for kind, f in data.pop("fits", {}).items()}
-        return cls(fits=fits, **data)
+        try:
+            data = json.loads(Path(path).read_text())
+            fits = {kind: Fit(**f) for kind, f in data.pop("fits", {}).items()}
+            profile = cls(fits=fits, **data)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ProfileError(f"{path}: not a decisiond calibration profile ({e})") from e
+        if profile.order not in ORDERS or profile.calibrate not in CALIBRATIONS:
+            raise ProfileError(f"{path}: unknown mode order={profile.order!r} calibrate={profile.calibrate!r}")
+        return profile

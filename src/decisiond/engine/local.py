@@ -89,15 +89,20 @@ class LocalEngine:
     """Answers decisions from one loaded chat model. Thread-safe: all model work runs on the scheduler's worker,
     which batches concurrent requests; preparing (templating, tokenizing, label checks) runs in the caller.
 
-    ``order`` and ``calibrate`` are this model's defaults (a request may override them); ``profile`` holds fitted
-    temperatures and biases per question type (see ``calibration``)."""
+    ``order`` and ``calibrate`` are this model's defaults (a request may override them); ``profile`` holds the
+    mode it was fitted under and fitted temperatures and biases per question type (see ``calibration``): it sets
+    the defaults (an explicit ``order``/``calibrate`` may only repeat them) and is refused, with ``ProfileError``,
+    when fitted for another model or prompt format version."""
 
-    def __init__(self, loaded: LoadedModel, order: str = "given", calibrate: str = "none",
+    def __init__(self, loaded: LoadedModel, order: str | None = None, calibrate: str | None = None,
                  profile: Profile | None = None, **scheduling):
         self.loaded = loaded
         self.name = loaded.name
-        self.order = order
-        self.calibrate = calibrate
+        if profile is not None:
+            profile.check(self.name, PROMPT_FORMAT_VERSION)
+            order, calibrate = profile.mode(order, calibrate)
+        self.order = order or "given"
+        self.calibrate = calibrate or "none"
         self.profile = profile
         self.prompter = ChatPrompter(loaded.tokenizer, loaded.context_length)
         self.scorer = Scorer(loaded.model)
@@ -214,7 +219,9 @@ class LocalEngine:
     def _result(self, request: DecisionRequest, prepared: Prepared, evidence: list[list[VariantEvidence]]) -> DecisionResult:
         answers = []
         for q, variants in zip(prepared.questions, evidence):
-            fitted = self.profile.for_kind(q.question.kind) if self.profile else None
+            fitted = None
+            if self.profile:
+                fitted = self.profile.for_kind(q.question.kind, prepared.order, prepared.calibrate)
             temperature = request.temperature or (fitted.temperature if fitted else 1.0)
             answers.append(build_answer(q, variants, prepared.calibrate == "contextual", temperature,
                                         fitted.bias if fitted else None, request.return_prompt_token_ids))
