@@ -246,7 +246,7 @@ AGAIN = "2K doc, asked again"
 
 def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ...] = (3, 10),
         clients: tuple[int, ...] = (1, 4, 16), naive_tickets: int | None = None, dtype: str = "float32",
-        long_documents: int = 0, log=print) -> dict:
+        long_documents: int = 0, note: str = "", log=print) -> dict:
     from ..engine.model import load
 
     loaded = load(model, dtype=dtype)
@@ -336,6 +336,7 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
         "tickets": tickets,
         "naive_tickets": naive_tickets or tickets,
         "long_documents": long_documents,
+        "note": note,
         "clients": list(clients),
         "backend": {k: v for k, v in vars(engine.backend.stats).items()},
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
@@ -367,7 +368,8 @@ def markdown(report: dict, command: str) -> str:
         f"Model {report['model']} ({report['dtype']}), {report['tickets']} support tickets of about 150 tokens "
         f"(naive loop: first {report['naive_tickets']}), on {report['machine']}. All rows come from the same run; "
         "the naive loop and the in-process engine take turns, 10 tickets each (2 for the long documents; their "
-        "times are the sums of their request latencies); only ratios are meant to carry over to other machines.",
+        "times are the sums of their request latencies); only ratios are meant to carry over to other machines." +
+        (f" {report['note']}" if report.get("note") else ""),
         "",
         "| workload | mode | questions/s | p50 request (s) | p95 request (s) | × naive | time / FLOP bound |",
         "|---|---|---:|---:|---:|---:|---:|",
