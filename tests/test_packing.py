@@ -126,7 +126,7 @@ def test_header_prefix_cache_is_the_template_header(smol_engine, tokenizer):
     header = smol_engine.prompter.header_ids(smol_engine.prompter.template_kwargs({}))
     text = tokenizer.decode(list(header))
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user")
-    assert smol_engine.scorer._prefixes  # filled by the decisions above
+    assert len(smol_engine.backend.prefixes)  # filled by the decisions above
 
 
 def test_scorer_errors_reach_the_caller_and_the_worker_survives(smol_engine):
@@ -134,5 +134,5 @@ def test_scorer_errors_reach_the_caller_and_the_worker_survives(smol_engine):
     with pytest.raises((IndexError, RuntimeError)):
         job.future.result(timeout=60)
     ok = smol_engine.scheduler.submit([[1, 2, 3]], [[5]])
-    assert len(ok.future.result(timeout=60)[0]) == 1
+    assert len(ok.future.result(timeout=60).logprobs[0]) == 1
     assert torch.get_num_threads() >= 1

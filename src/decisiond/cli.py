@@ -37,13 +37,16 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
-    from .engine.scheduler import DEFAULT_MAX_BATCH_TOKENS
+    from .engine.backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                    help=f"padded tokens per batched forward pass across concurrent requests "
                         f"(default {DEFAULT_MAX_BATCH_TOKENS})")
     p.add_argument("--max-wait-ms", type=float, default=2.0,
                    help="how long the scheduler waits for more requests to join a batch (default 2 ms)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="memory for KV caches of prompt prefixes kept across requests, so a document asked again "
+                        "is not recomputed (default: 1/16 of the machine's memory, at most 2048; 0 turns it off)")
 
 
 def _engine(args: argparse.Namespace):
@@ -55,7 +58,8 @@ def _engine(args: argparse.Namespace):
                                     "device": loaded.device, "context_length": loaded.context_length})
     options = {}
     if hasattr(args, "max_batch_tokens"):
-        options = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000}
+        options = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000,
+                   "prefix_cache_mb": args.prefix_cache_mb}
     if hasattr(args, "order"):
         options.update(order=args.order, calibrate=args.calibrate, profile=_profile(args.calibration))
     return LocalEngine(loaded, **options)
@@ -91,6 +95,7 @@ def _router(args: argparse.Namespace, config=None):
                                     served_name=provider.served_model_name)
             engines[provider.name] = LocalEngine(
                 loaded, max_batch_tokens=args.max_batch_tokens, max_wait_s=args.max_wait_ms / 1000,
+                prefix_cache_mb=args.prefix_cache_mb,
                 order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate,
                 profile=_profile(provider.calibration or args.calibration))
     log.info("gateway configured", extra={"providers": [p.name for p in config.providers],
@@ -179,7 +184,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = runner.run(model=args.model, tickets=args.tickets,
                         question_sets=tuple(int(x) for x in args.questions.split(",")),
                         clients=tuple(int(x) for x in args.clients.split(",")),
-                        naive_tickets=args.naive_tickets, dtype=args.dtype,
+                        naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench"
     text = runner.markdown(report, args.command_line or command)
@@ -447,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--questions", default="3,10", help="question-set sizes to run (default 3,10)")
     bench.add_argument("--clients", default="1,4,16", help="concurrent HTTP clients per phase (default 1,4,16)")
     bench.add_argument("--naive-tickets", type=int, default=None, help="run the naive loop on the first N tickets only")
+    bench.add_argument("--long-documents", type=int, default=0,
+                       help="also run N documents of ~2,000 tokens (5 questions each, then asked again; default 0)")
     bench.add_argument("--out", default=None, help="write the markdown report here")
     bench.add_argument("--json", default=None, help="write the raw numbers here")
     bench.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

@@ -114,3 +114,22 @@ def openai_body(request: DecisionRequest, model: str) -> dict:
     from ..dialects.openai import render_request
 
     return render_request(request, model)
+
+
+# ------------------------------------------------------------------------------------------ long documents
+
+LONG_QUESTIONS = (TEAM, FRUSTRATION, URGENT, EXTRA[0], EXTRA[4])  # 5 questions
+ASK_FIRST = EXTRA[5]  # the churn question
+ASK_AGAIN = EXTRA[6]  # the bug question
+
+
+def document(rng: random.Random, tickets: int = 13) -> str:
+    """A support thread of about 2,000 tokens (SmolLM2's tokenizer): ``tickets`` tickets, numbered."""
+    return "\n\n".join(f"Message {i + 1}:\n{ticket(rng)}" for i in range(tickets))
+
+
+def long_requests(count: int, questions=LONG_QUESTIONS, seed: int = 11) -> list[DecisionRequest]:
+    """``count`` documents of about 2,000 tokens, each asked ``questions`` (the same seed, the same documents)."""
+    rng = random.Random(seed)
+    return [DecisionRequest((Message("user", (Text(document(rng)),), plain=True, bare=True),), tuple(questions))
+            for _ in range(count)]

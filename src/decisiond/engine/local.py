@@ -1,12 +1,14 @@
-"""The local decision engine: canonical request in, canonical result out, answered by a transformers model."""
+"""The local decision engine: canonical request in, canonical result out.
+
+This is the backend-neutral part — prompt wording and chat templating (``prompt``), label checks, order and
+calibration modes (``calibration``), batching across requests (``scheduler``) — over a ``Backend`` that computes
+label log-probs (``backend``; by default the transformers backend on the loaded model)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from .. import probability
@@ -21,17 +23,11 @@ from ..canonical import (
 )
 from ..errors import invalid, refused
 from ..text import render_input
-from .calibration import (
-    CALIBRATIONS,
-    CONTENT_FREE,
-    ORDERS,
-    Profile,
-    VariantEvidence,
-    combine,
-    shifts,
-)
+from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
+from .backend import Backend, Scored
+from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS, TransformersBackend
+from .caches import Lru
 from .model import LoadedModel
-from .packing import split_rows
 from .prompt import (
     MAX_SINGLE_LETTER,
     PROMPT_FORMAT_VERSION,
@@ -42,8 +38,7 @@ from .prompt import (
     render_question,
     text_only_check,
 )
-from .scheduler import Job, Scheduler
-from .scorer import Scorer
+from .scheduler import DEFAULT_MAX_WAIT_S, Job, Scheduler
 
 
 @dataclass
@@ -76,8 +71,6 @@ class PreparedQuestion:
 @dataclass
 class Prepared:
     questions: list[PreparedQuestion]
-    # Tokens every prompt starts with that the scheduler may serve from its prefix cache.
-    header: tuple[int, ...]
     order: str = "given"
     calibrate: str = "none"
 
@@ -87,17 +80,24 @@ PRIOR_CACHE_ENTRIES = 4096
 
 class LocalEngine:
     """Answers decisions from one loaded chat model. Thread-safe: all model work runs on the scheduler's worker,
-    which batches concurrent requests; preparing (templating, tokenizing, label checks) runs in the caller.
+    which batches concurrent requests; preparing (templating, tokenizing, label checks) runs in the caller, which
+    for the ``*_async`` methods is a thread off the event loop.
 
     ``order`` and ``calibrate`` are this model's defaults (a request may override them); ``profile`` holds the
     mode it was fitted under and fitted temperatures and biases per question type (see ``calibration``): it sets
     the defaults (an explicit ``order``/``calibrate`` may only repeat them) and is refused, with ``ProfileError``,
-    when fitted for another model or prompt format version."""
+    when fitted for another model or prompt format version. ``backend`` computes label log-probs (the
+    transformers backend on ``loaded.model`` by default, with ``max_batch_tokens`` and ``prefix_cache_mb``)."""
 
     def __init__(self, loaded: LoadedModel, order: str | None = None, calibrate: str | None = None,
-                 profile: Profile | None = None, **scheduling):
+                 profile: Profile | None = None, backend: Backend | None = None,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 prefix_cache_mb: float | None = None):
         self.loaded = loaded
         self.name = loaded.name
+        self.release_date = loaded.release_date
+        self.tokenizer = loaded.tokenizer
+        self.context_length = loaded.context_length
         if profile is not None:
             profile.check(self.name, PROMPT_FORMAT_VERSION)
             order, calibrate = profile.mode(order, calibrate)
@@ -105,10 +105,21 @@ class LocalEngine:
         self.calibrate = calibrate or "none"
         self.profile = profile
         self.prompter = ChatPrompter(loaded.tokenizer, loaded.context_length)
-        self.scorer = Scorer(loaded.model)
-        self.scheduler = Scheduler(self.scorer, **scheduling)
-        self._priors: OrderedDict[str, list[float]] = OrderedDict()
-        self._priors_lock = threading.Lock()
+        self.backend: Backend = backend or TransformersBackend(
+            loaded.model, loaded.name, max_batch_tokens,
+            None if prefix_cache_mb is None else int(prefix_cache_mb * 2**20),
+            f"{loaded.name} ({loaded.parameters / 1e6:.0f}M parameters, {loaded.dtype}, {loaded.device}) answering "
+            "decisions locally")
+        self.scheduler = Scheduler(self.backend, max_batch_tokens, max_wait_s)
+        self._priors: Lru[list[float]] = Lru(PRIOR_CACHE_ENTRIES)
+
+    @property
+    def scorer(self) -> Backend:
+        """The backend (its old name)."""
+        return self.backend
+
+    def describe(self) -> str:
+        return self.backend.describe()
 
     # ------------------------------------------------------------------------------------ preparing
 
@@ -163,20 +174,10 @@ class LocalEngine:
                             self.prompter.encode(content, labels, kwargs, question.source)
                 variants.append(variant)
             prepared.append(PreparedQuestion(question, variants))
-        return Prepared(prepared, self.prompter.header_ids(kwargs), order, calibrate)
+        return Prepared(prepared, order, calibrate)
 
     def _prior(self, key: str) -> list[float] | None:
-        with self._priors_lock:
-            found = self._priors.get(key)
-            if found is not None:
-                self._priors.move_to_end(key)
-            return found
-
-    def _remember_prior(self, key: str, logprobs: list[float]) -> None:
-        with self._priors_lock:
-            self._priors[key] = logprobs
-            while len(self._priors) > PRIOR_CACHE_ENTRIES:
-                self._priors.popitem(last=False)
+        return self._priors.get(key)
 
     # -------------------------------------------------------------------------------------- scoring
 
@@ -192,13 +193,18 @@ class LocalEngine:
         for prompt in pending.values():
             prompts.append(prompt.ids)
             labels.append(prompt.label_ids)
-        return self.scheduler.submit(prompts, labels, prepared.header), list(pending)
+        return self.scheduler.submit(prompts, labels), list(pending)
+
+    def _prepare_and_submit(self, request: DecisionRequest, order: str | None = None,
+                            calibrate: str | None = None) -> tuple[Prepared, Job, list[str]]:
+        prepared = self.prepare(request, order, calibrate)
+        return (prepared, *self._submit(prepared))
 
     def _evidence(self, prepared: Prepared, pending: list[str], logprobs: list[list[float]]) -> list[list[VariantEvidence]]:
         count = sum(len(q.variants) for q in prepared.questions)
         scored = dict(zip(pending, logprobs[count:]))
         for key, lps in scored.items():
-            self._remember_prior(key, lps)
+            self._priors.put(key, lps)
         out, k = [], 0
         for q in prepared.questions:
             evidence = []
@@ -212,11 +218,11 @@ class LocalEngine:
     def evidence(self, request: DecisionRequest, order: str | None = None,
                  calibrate: str | None = None) -> tuple[Prepared, list[list[VariantEvidence]]]:
         """What the model says about each rendering of each question (also for eval and calibrate)."""
-        prepared = self.prepare(request, order, calibrate)
-        job, pending = self._submit(prepared)
-        return prepared, self._evidence(prepared, pending, job.future.result())
+        prepared, job, pending = self._prepare_and_submit(request, order, calibrate)
+        return prepared, self._evidence(prepared, pending, job.future.result().logprobs)
 
-    def _result(self, request: DecisionRequest, prepared: Prepared, evidence: list[list[VariantEvidence]]) -> DecisionResult:
+    def _result(self, request: DecisionRequest, prepared: Prepared, evidence: list[list[VariantEvidence]],
+                job: Job, scored: Scored) -> DecisionResult:
         answers = []
         for q, variants in zip(prepared.questions, evidence):
             fitted = None
@@ -226,47 +232,50 @@ class LocalEngine:
             answers.append(build_answer(q, variants, prepared.calibrate == "contextual", temperature,
                                         fitted.bias if fitted else None, request.return_prompt_token_ids))
         total = sum(a.prompt_tokens for a in answers)
-        real = [v.prompt.ids for q in prepared.questions for v in q.variants]
-        computed = sum(len(row) for _, row in split_rows(real, self.scheduler.max_row_tokens, len(prepared.header)))
         return DecisionResult(
             model=self.name,
             answers=answers,
-            # Shared tokens are computed once per request and the template header comes from the prefix cache:
-            # the rest of the prompt tokens count as cached.
-            usage=Usage(input_tokens=total, cached_tokens=max(0, total - computed)),
+            usage=Usage(input_tokens=total, cached_tokens=cached_tokens(job, scored, total)),
             prompt_format_version=PROMPT_FORMAT_VERSION,
             provider_format="local",
         )
 
     def decide(self, request: DecisionRequest) -> DecisionResult:
-        return self._result(request, *self.evidence(request))
+        prepared, job, pending = self._prepare_and_submit(request)
+        scored = job.future.result()
+        return self._result(request, prepared, self._evidence(prepared, pending, scored.logprobs), job, scored)
 
     async def decide_async(self, request: DecisionRequest) -> DecisionResult:
-        """Prepare off the event loop, then wait for the scheduler without blocking the loop."""
-        prepared = await asyncio.to_thread(self.prepare, request)
-        job, pending = self._submit(prepared)
-        logprobs = await asyncio.wrap_future(job.future)
-        return self._result(request, prepared, self._evidence(prepared, pending, logprobs))
+        """Prepare and submit off the event loop, then wait for the scheduler without blocking the loop."""
+        prepared, job, pending = await asyncio.to_thread(self._prepare_and_submit, request)
+        scored = await asyncio.wrap_future(job.future)
+        return self._result(request, prepared, self._evidence(prepared, pending, scored.logprobs), job, scored)
 
     # -------------------------------------------------------------------------------- raw scoring
 
     def _score_prompts(self, request: ScoreRequest) -> list[list[int]]:
-        vocab = int(self.loaded.model.config.get_text_config().vocab_size)
+        vocab = self.backend.vocab_size
         prompts: list[list[int]] = []
         for i, prompt in enumerate(request.prompts):
-            ids = list(self.loaded.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise invalid(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", "items", i)
-            if len(ids) >= self.loaded.context_length:
+            if not ids:
+                raise invalid("a prompt must have at least one token", "items", i)
+            if len(ids) >= self.context_length:
                 raise refused(f"the prompt has {len(ids)} tokens, which does not fit the context length of "
-                              f"{self.loaded.context_length} tokens", "items", i, code="context_length_exceeded")
+                              f"{self.context_length} tokens", "items", i, code="context_length_exceeded")
             prompts.append(ids)
         for labels in request.label_token_ids:
             bad = next((t for t in labels if not 0 <= t < vocab), None)
             if bad is not None:
                 raise invalid(f"label token id {bad} is outside the vocabulary (0 to {vocab - 1})", "label_token_ids")
         return prompts
+
+    def _score_submit(self, request: ScoreRequest) -> tuple[list[list[int]], Job]:
+        prompts = self._score_prompts(request)
+        return prompts, self.scheduler.submit(prompts, request.label_token_ids)
 
     def _score_result(self, request: ScoreRequest, prompts: list[list[int]], logprobs: list[list[float]]) -> ScoreResult:
         if request.apply_softmax:
@@ -277,14 +286,19 @@ class LocalEngine:
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Label-token probabilities after given prompts (SGLang's /v1/score), on the same scoring path."""
-        prompts = self._score_prompts(request)
-        job = self.scheduler.submit(prompts, request.label_token_ids)
-        return self._score_result(request, prompts, job.future.result())
+        prompts, job = self._score_submit(request)
+        return self._score_result(request, prompts, job.future.result().logprobs)
 
     async def score_async(self, request: ScoreRequest) -> ScoreResult:
-        prompts = await asyncio.to_thread(self._score_prompts, request)
-        job = self.scheduler.submit(prompts, request.label_token_ids)
-        return self._score_result(request, prompts, await asyncio.wrap_future(job.future))
+        prompts, job = await asyncio.to_thread(self._score_submit, request)
+        return self._score_result(request, prompts, (await asyncio.wrap_future(job.future)).logprobs)
+
+
+def cached_tokens(job: Job, scored: Scored, input_tokens: int) -> int:
+    """Prompt tokens the request did not compute: shared tokens of its own prompts (computed once) and prefixes
+    reused from the prefix cache, as the backend counted them (at most ``input_tokens``)."""
+    scored_tokens = sum(len(p) for p in job.group.prompts)
+    return max(0, min(input_tokens, scored_tokens - scored.computed_tokens))
 
 
 def reorder(question: Question, order: list[int]) -> Question:

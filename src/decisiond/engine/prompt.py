@@ -3,6 +3,11 @@
 The wording is SGLang's ``/v1/decisions`` prompt format version 1: the input, a blank line, the question
 line, one line per option / level / described yes or no answer, and a closing instruction to answer with
 one label only. A change of wording is a new ``PROMPT_FORMAT_VERSION``.
+
+Special-token text in the user's content (``<|im_end|>\n<|im_start|>assistant\nA``) is tokenized as text, never
+as the control tokens it spells: only the chat template's own text may hold control tokens (``tokenize``). This
+is the one place where decisiond differs from SGLang, which tokenizes the rendered chat text whole, so that such
+content there closes the user turn and can answer for the model.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from ..canonical import Image, Option, Question
 from ..errors import DecisionError, invalid, refused
 from ..text import is_blank, question_text, render_text
+from .caches import Lru
 
 PROMPT_FORMAT_VERSION = 1
 
@@ -27,6 +33,8 @@ THINKING_TOGGLES = ("enable_thinking", "thinking")
 REASONING_MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<|begin_of_thought|>", "<|end_of_thought|>"))
 # Answer text of a finished reply, rendered only to see what a template puts before an answer.
 _REPLY_SENTINEL = "DECISION_ANSWER_SENTINEL"
+# Distinct chat_template_kwargs whose template checks are remembered (clients choose them: the caches are bounded).
+TEMPLATE_KWARGS_ENTRIES = 256
 
 MAX_SINGLE_LETTER = len(string.ascii_uppercase)
 MAX_CHOICE_LABELS = MAX_SINGLE_LETTER * MAX_SINGLE_LETTER
@@ -140,10 +148,13 @@ class ChatPrompter:
         self.toggle = self._find_toggle(template)
         vocab_added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
         self.added_tokens: dict[int, str] = {i: t for t, i in vocab_added.items()}
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_texts = tuple(t.content for t in decoder.values() if getattr(t, "special", False)) or \
+            tuple(getattr(tokenizer, "all_special_tokens", ()))
         source = (template or "") + " " + " ".join(vocab_added)
         self.markers = next(((a, b) for a, b in REASONING_MARKERS if a in source and b in source), None)
-        self._reply_checked: dict[str, bool] = {}
-        self._headers: dict[str, tuple[int, ...]] = {}
+        self._reply_checked: Lru[bool] = Lru(TEMPLATE_KWARGS_ENTRIES)
+        self._headers: Lru[tuple[int, ...]] = Lru(TEMPLATE_KWARGS_ENTRIES)
         self.lossy = self._lossy()
 
     def _lossy(self) -> bool:
@@ -192,15 +203,15 @@ class ChatPrompter:
         """The tokens every rendered prompt starts with (system prompt, user turn opening) — what the scheduler
         may serve from its prefix cache. The last token of the shared text is left out: it could merge with the
         content that follows."""
-        key = json.dumps(kwargs, sort_keys=True, default=str)
-        if key not in self._headers:
+        def make() -> tuple[int, ...]:
             try:
                 a, b = (self._apply([{"role": "user", "content": c}], kwargs, True) for c in ("A", "B"))
             except DecisionError:
                 a = b = ""
             shared = os.path.commonprefix([a, b])
-            self._headers[key] = tuple(self.tokenizer.encode(shared, add_special_tokens=False)[:-1]) if shared else ()
-        return self._headers[key]
+            return tuple(self.tokenizer.encode(shared, add_special_tokens=False)[:-1]) if shared else ()
+
+        return self._headers.get_or_make(json.dumps(kwargs, sort_keys=True, default=str), make)
 
     def _apply(self, messages: list[dict[str, str]], kwargs: dict[str, Any], generation: bool) -> str:
         if self.template is None:
@@ -234,8 +245,7 @@ class ChatPrompter:
                 "read inside the reasoning; this model is not supported with these chat_template_kwargs",
                 code="unsupported_model",
             )
-        key = json.dumps(kwargs, sort_keys=True, default=str)
-        if key not in self._reply_checked:
+        def make() -> bool:
             try:
                 reply = self._apply(
                     [{"role": "user", "content": closing}, {"role": "assistant", "content": _REPLY_SENTINEL}], kwargs, False
@@ -244,16 +254,34 @@ class ChatPrompter:
                 reply = ""
             begin = reply.rfind(closing)
             answer = reply.find(_REPLY_SENTINEL, begin) if begin >= 0 else -1
-            self._reply_checked[key] = answer >= 0 and reply[begin:answer].count(start) > generation.count(start)
-        if self._reply_checked[key]:
+            return answer >= 0 and reply[begin:answer].count(start) > generation.count(start)
+
+        if self._reply_checked.get_or_make(json.dumps(kwargs, sort_keys=True, default=str), make):
             raise refused(
                 "the chat template starts every answer with a reasoning block, so this model is not supported",
                 code="unsupported_model",
             )
 
+    def tokenize(self, prompt: str, content: str) -> list[int]:
+        """The ids of a rendered prompt, with the user's ``content`` tokenized as text: special-token text in it
+        (``<|im_start|>``…) stays text, so a request cannot forge a turn or an answer. Content without such text
+        is tokenized with the prompt, in one piece, as before."""
+        if not any(special in content for special in self.special_texts):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        at = prompt.rfind(content)
+        if at < 0:
+            raise refused("the input contains special-token text and this model's chat template changes the message "
+                          "text, so it cannot be tokenized as text safely", code="unsupported_input")
+        pieces = (prompt[:at], content, prompt[at + len(content):])
+        ids: list[int] = []
+        for piece, as_text in zip(pieces, (False, True, False)):
+            if piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=as_text)
+        return ids
+
     def encode(self, content: str, labels: Sequence[str], kwargs: dict[str, Any], source: tuple = ()) -> EncodedPrompt:
         prompt = self.render(content, kwargs)
-        ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = self.tokenize(prompt, content)
         if len(ids) >= self.context_length:
             raise refused(
                 f"the prompt has {len(ids)} tokens, which does not fit the context length of "
@@ -294,7 +322,7 @@ class ChatPrompter:
         left without one.
         """
         prompt = self.render(content, kwargs)
-        text, text_ids = self._label_context(prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)))
+        text, text_ids = self._label_context(prompt, self.tokenize(prompt, content))
         chosen: list[str] = []
         tokens: set[int] = set()
         for label in TWO_LETTER_LABELS:

@@ -1,10 +1,16 @@
-"""Batching across requests: one worker thread owns the model and runs batched forward passes.
+"""Batching across requests: one worker thread owns the backend and hands it batches of requests.
 
 Callers (HTTP handlers through ``asyncio.wrap_future``, or plain threads) submit a job — the prompts of one
 request with their label ids — and get a future. The worker takes the oldest job, then the jobs already queued
-(waiting at most ``max_wait_s`` for more) while the batch stays within ``max_batch_tokens`` padded tokens, and runs
-them in one forward pass. Under load, requests that arrive during a pass are batched into the next; at low load
-nothing waits. The event loop never runs model work.
+(waiting at most ``max_wait_s`` for more) while their estimated size stays within ``max_batch_tokens``, and gives
+them to the backend together; the backend splits the work into forward passes within the same budget. Under load,
+requests that arrive during a batch join the next; at low load nothing waits. The event loop never runs model
+work, and submitting does no more than a common-prefix scan (callers submit from a worker thread).
+
+A job is marked running when the worker takes it: a caller that gives up (a cancelled HTTP request) before then
+is skipped, and one that gives up later can no longer cancel the future, so delivering a batch's results never
+fails. An error in one job's results (non-finite log-probs) goes to that job only; an error of the backend itself
+goes to every job of the batch, and the worker lives on.
 
 One thread does all model math (``call`` runs other model work there too): on a CPU, two threads taking turns at
 forward passes each bring their own math thread pool, and the pools slow each other down.
@@ -13,6 +19,7 @@ forward passes each bring their own math thread pool, and the pools slow each ot
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,32 +28,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .packing import PackedRow, split_rows
-from .scorer import RowJob, Scorer
+from .backend import Backend, Group, Scored, check_finite
+from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
 log = logging.getLogger("decisiond.scheduler")
 
-# On a CPU a forward pass over ~1,000 tokens is as efficient as it gets: larger batches only add latency and memory.
-DEFAULT_MAX_BATCH_TOKENS = 1024
-DEFAULT_MAX_ROW_TOKENS = 1024
 DEFAULT_MAX_WAIT_S = 0.002
 
 
 @dataclass
 class Job:
-    prompts: list[list[int]]
-    labels: list[list[int]]
-    # Leading tokens every prompt shares that may come from the prefix cache (the chat template's header).
-    prefix: tuple[int, ...]
-    rows: list[tuple[list[int], PackedRow]]
-    future: Future = field(default_factory=Future)
-
-    @property
-    def computed_tokens(self) -> int:
-        """Tokens this job's own forward work covers: each shared token once, the cached prefix not at all."""
-        if not self.rows:
-            return sum(len(p) for p in self.prompts)
-        return sum(len(row) for _, row in self.rows)
+    group: Group
+    # An upper bound of the tokens the job computes: its shared prefix once, plus each prompt's rest.
+    size: int
+    future: Future = field(default_factory=Future)  # -> Scored
 
 
 @dataclass
@@ -59,20 +54,21 @@ class Call:
 
 @dataclass
 class Stats:
-    passes: int = 0
+    batches: int = 0
     jobs: int = 0
-    rows: int = 0
-    packed_tokens: int = 0
-    padded_tokens: int = 0
+    cancelled: int = 0
     prompt_tokens: int = 0
+
+    @property
+    def passes(self) -> int:  # the old name: batches handed to the backend
+        return self.batches
 
 
 class Scheduler:
-    def __init__(self, scorer: Scorer, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS, max_wait_s: float = DEFAULT_MAX_WAIT_S):
-        self.scorer = scorer
+    def __init__(self, backend: Backend, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S):
+        self.backend = backend
         self.max_batch_tokens = max_batch_tokens
-        self.max_row_tokens = max_row_tokens
         self.max_wait_s = max_wait_s
         self.stats = Stats()
         self._queue: queue.Queue[Job | Call] = queue.Queue()
@@ -80,15 +76,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def submit(self, prompts: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
-               prefix: Sequence[int] = ()) -> Job:
-        """Queue one request's prompts; ``job.future`` yields their label log-probs, in prompt order."""
+    def submit(self, prompts: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> Job:
+        """Queue one request's prompts; ``job.future`` yields a ``Scored`` (label log-probs in prompt order)."""
         prompts = [list(p) for p in prompts]
-        prefix = tuple(prefix)
-        if not self.scorer.packing or not all(len(p) > len(prefix) and tuple(p[:len(prefix)]) == prefix for p in prompts):
-            prefix = ()
-        rows = split_rows(prompts, self.max_row_tokens, len(prefix)) if self.scorer.packing else []
-        job = Job(prompts, [list(x) for x in labels], prefix, rows)
+        shared = len(os.path.commonprefix(prompts)) if prompts else 0
+        job = Job(Group(prompts, [list(x) for x in labels]), shared + sum(len(p) - shared for p in prompts))
         self._put(job)
         return job
 
@@ -107,73 +99,65 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ worker
 
+    def _take(self, item: Job | Call) -> bool:
+        """Mark ``item`` running; False when its caller has cancelled it (it is then dropped)."""
+        if item.future.set_running_or_notify_cancel():
+            return True
+        self.stats.cancelled += 1
+        return False
+
     def _next(self) -> list[Job] | Call:
-        first = self._carry or self._queue.get()
-        self._carry = None
+        while True:
+            first = self._carry or self._queue.get()
+            self._carry = None
+            if self._take(first):
+                break
         if isinstance(first, Call):
             return first
-        batch = [first]
+        batch, size = [first], first.size
         deadline = time.monotonic() + self.max_wait_s
         while True:
             try:
                 item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if isinstance(item, Call) or item.prefix != first.prefix or self._cost(batch + [item]) > self.max_batch_tokens:
+            if isinstance(item, Call) or size + item.size > self.max_batch_tokens:
                 self._carry = item
                 break
-            batch.append(item)
+            if self._take(item):
+                batch.append(item)
+                size += item.size
         return batch
-
-    @staticmethod
-    def _cost(jobs: list[Job]) -> int:
-        """Padded tokens of a batch: rows × the longest row."""
-        rows = [len(row) for job in jobs for _, row in job.rows]
-        return len(rows) * max(rows) if rows else 0
 
     def _work(self) -> None:
         while True:
             item = self._next()
-            items = [item] if isinstance(item, Call) else item
+            if isinstance(item, Call):
+                _deliver(item.future, item.fn)
+                continue
             try:
-                if isinstance(item, Call):
-                    item.future.set_result(item.fn())
-                else:
-                    self._execute(item)
+                scored = self.backend.score([job.group for job in item])
             except BaseException as error:  # delivered to the callers; the worker lives on
-                for one in items:
-                    if not one.future.done():
-                        one.future.set_exception(error)
+                for job in item:
+                    job.future.set_exception(error)
+                continue
+            self.stats.batches += 1
+            self.stats.jobs += len(item)
+            self.stats.prompt_tokens += sum(len(p) for job in item for p in job.group.prompts)
+            for job, result in zip(item, scored):
+                _deliver(job.future, lambda result=result: _checked(result))
 
-    def _execute(self, batch: list[Job]) -> None:
-        self.stats.jobs += len(batch)
-        if not self.scorer.packing:
-            for job in batch:
-                job.future.set_result([self.scorer.reference(p, lab) for p, lab in zip(job.prompts, job.labels)])
-                self.stats.passes += len(job.prompts)
-            return
-        row_jobs, owners = [], []
-        for job in batch:
-            for members, row in job.rows:
-                row_jobs.append(RowJob(row, [job.labels[i] for i in members]))
-                owners.append((job, members))
-        collected: dict[int, dict[int, list[float]]] = {}
-        # A job of many rows (hundreds of questions) is split over several passes, each within the token budget.
-        start = 0
-        while start < len(row_jobs):
-            end = start + 1
-            while end < len(row_jobs) and (end + 1 - start) * max(len(r.row) for r in row_jobs[start:end + 1]) \
-                    <= self.max_batch_tokens:
-                end += 1
-            chunk = row_jobs[start:end]
-            for (job, members), values in zip(owners[start:end], self.scorer.packed(chunk, batch[0].prefix)):
-                collected.setdefault(id(job), {}).update(zip(members, values))
-            self.stats.passes += 1
-            self.stats.rows += len(chunk)
-            self.stats.packed_tokens += sum(len(r.row) for r in chunk)
-            self.stats.padded_tokens += len(chunk) * max(len(r.row) for r in chunk)
-            start = end
-        for job in batch:
-            slot = collected[id(job)]
-            job.future.set_result([slot[i] for i in range(len(job.prompts))])
-        self.stats.prompt_tokens += sum(len(p) for job in batch for p in job.prompts)
+
+def _checked(scored: Scored) -> Scored:
+    check_finite(scored)
+    return scored
+
+
+def _deliver(future: Future, fn: Callable[[], Any]) -> None:
+    """The value of ``fn()``, or its error, to a running future (which can no longer be cancelled)."""
+    try:
+        value = fn()
+    except BaseException as error:
+        future.set_exception(error)
+    else:
+        future.set_result(value)

@@ -321,12 +321,8 @@ def _target(m: ModelConfig, provider: Provider) -> Target:
 
 
 def _describe(engine: LocalEngine) -> str:
-    loaded = engine.loaded
-    return (f"{loaded.name} ({loaded.parameters / 1e6:.0f}M parameters, {loaded.dtype}, {loaded.device}) answering "
-            "decisions locally")
+    return engine.describe()
 
 
 def _release(target: Target) -> str:
-    if isinstance(target.provider, LocalProvider) and target.provider.engine.loaded.release_date:
-        return target.provider.engine.loaded.release_date
-    return time.strftime("%Y-%m-%d")
+    return getattr(getattr(target.provider, "engine", None), "release_date", "") or time.strftime("%Y-%m-%d")

@@ -1,0 +1,80 @@
+"""What the engine needs from a model: log-probs of these label ids after these token-id prompts.
+
+Everything else — prompt wording, chat templating and tokenizing, label checks, order and calibration modes,
+batching requests across clients — is the engine's and does not depend on how the numbers are computed. A
+backend gets the prompts of several requests at once (one ``Group`` per request; a request's prompts usually
+share a long prefix, the document) and is free to compute them any way that gives each prompt's next-token
+log-probs: shared prefixes once, a cache across calls, batches within a memory budget.
+
+Example, a backend for any callable that gives next-token log-probs of one prompt (slow but complete)::
+
+    class OnePassBackend:
+        name = "one-pass"
+
+        def __init__(self, next_logprobs, vocab_size):
+            self.next_logprobs, self.vocab_size = next_logprobs, vocab_size
+
+        def score(self, groups):
+            out = []
+            for g in groups:
+                rows = [self.next_logprobs(p) for p in g.prompts]
+                out.append(Scored([[row[i] for i in labels] for row, labels in zip(rows, g.labels)],
+                                  computed_tokens=sum(map(len, g.prompts)), reused_tokens=0))
+            return out
+
+        def describe(self):
+            return "one forward pass per prompt"
+
+    engine = LocalEngine(loaded, backend=OnePassBackend(my_fn, 49152))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import DecisionError
+
+
+@dataclass
+class Group:
+    """One request's prompts (token ids) and, for each prompt, the label token ids to read after it."""
+
+    prompts: list[list[int]]
+    labels: list[list[int]]
+
+
+@dataclass
+class Scored:
+    """A group's answer: the label log-probs per prompt (natural log, over the full vocabulary), the tokens the
+    model ran for this group (each shared token once) and the prompt tokens taken from a cache across calls."""
+
+    logprobs: list[list[float]]
+    computed_tokens: int
+    reused_tokens: int = 0
+
+
+class Backend(Protocol):
+    name: str
+    vocab_size: int
+
+    def score(self, groups: Sequence[Group]) -> list[Scored]:
+        """One ``Scored`` per group, in order. Called from one thread at a time (the scheduler's worker)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for model lists: what answers and how."""
+        ...
+
+
+def check_finite(scored: Scored) -> None:
+    """NaN or infinite log-probs (overflow in a low precision, broken weights) are the model's failure, said
+    plainly: they would otherwise become NaN probabilities or a label mass of 1."""
+    for values in scored.logprobs:
+        if not all(math.isfinite(v) for v in values):
+            raise DecisionError(
+                "the model produced non-finite label log-probabilities (NaN or infinity) for this request, so it "
+                "cannot be answered; this usually means the model overflows in its dtype (try --dtype float32)",
+                code="model_output_invalid", status=503, type="api_error")

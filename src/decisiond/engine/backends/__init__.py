@@ -1,0 +1,1 @@
+"""Backends: what computes label log-probs (see ``engine.backend``)."""

@@ -1,0 +1,283 @@
+"""The transformers backend: label log-probs from a causal LM's forward passes, on CPU or GPU.
+
+How a batch of requests (groups) is computed, top to bottom:
+
+1. **Plan each group.** Its prompts share a prefix ``P`` (template header and document; at least one token of
+   every prompt is left out of it, to be read at). The cross-request ``PrefixCache`` gives the KV cache of the
+   longest cached prefix of ``P``: ``k`` tokens that need no compute. If the rest — ``P[k:]`` and each prompt's
+   own tail, packed as a radix tree (``packing``) — fits one row of ``max_batch_tokens``, it is one row, and the
+   KV of ``P`` is cut out of that pass afterwards for the cache. Otherwise ``P[k:]`` is **prefilled in chunks**
+   of at most ``max_batch_tokens`` into the KV cache first (and cached), and the tails are packed into rows that
+   all attend to it: a shared prefix of any length is computed once, whatever the row budget.
+2. **Run the rows** in passes of at most ``max_batch_tokens`` padded tokens. Rows of different groups have
+   different pasts: each row's cached prefix is laid into a padded past of the longest one, and a 4-D mask lets
+   each token see its own row's past and its own prompt's earlier tokens; explicit positions put every token at
+   its place in its own prompt.
+3. **Read** the log-softmax over the full vocabulary at each prompt's last token, in float64.
+
+Models whose attention is not plain causal over the whole context (sliding windows, mixed layer types) take the
+``reference`` path — one pass per prompt — which needs no custom mask and no cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backend import Group, Scored
+from ..caches import PrefixCache, default_prefix_cache_bytes
+from ..packing import PackedRow, common_prefix, pack, split_rows
+
+# On a CPU a forward pass over ~1,000 tokens is as efficient as it gets: larger batches only add latency and memory.
+DEFAULT_MAX_BATCH_TOKENS = 1024
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, kv heads, tokens, head dim]
+
+
+@dataclass
+class Stats:
+    """Counters of the work done, for tests and benchmarks."""
+
+    passes: int = 0
+    computed_tokens: int = 0  # real tokens run through the model (prefill chunks and rows)
+    padded_tokens: int = 0  # rows × width of every pass, padding included
+    prefill_tokens: int = 0  # of computed_tokens, those prefilled in chunks
+    reused_tokens: int = 0  # prompt-prefix tokens taken from the prefix cache
+    largest_pass: int = 0  # the most padded tokens of one pass
+
+
+@dataclass
+class RowWork:
+    """One packed row of one group, with the cached prefix it continues."""
+
+    group: int
+    row: PackedRow
+    members: list[int]  # the group's prompt indices, in the row's target order
+    past: KV | None
+    past_len: int
+    # Tokens of the group's prefix whose KV this row's pass completes (to store in the prefix cache), or ().
+    store: tuple[int, ...] = ()
+
+
+@dataclass
+class Plan:
+    rows: list[RowWork] = field(default_factory=list)
+    computed: int = 0
+    reused: int = 0
+
+
+class TransformersBackend:
+    def __init__(self, model: Any, name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 prefix_cache_bytes: int | None = None, description: str = ""):
+        self.model = model
+        self.name = name
+        self.max_batch_tokens = max_batch_tokens
+        self.device = next(model.parameters()).device
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(config.vocab_size)
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        self.packing = impl in ("sdpa", "eager") and layer_types == {"full_attention"} and not sliding
+        self.bool_mask = impl == "sdpa"
+        self.prefixes = PrefixCache(default_prefix_cache_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
+        self.stats = Stats()
+        self.description = description
+
+    def describe(self) -> str:
+        return self.description or f"{self.name} (transformers)"
+
+    # ------------------------------------------------------------------------------------ scoring
+
+    def score(self, groups: Sequence[Group]) -> list[Scored]:
+        if not self.packing:
+            return [self._score_one_by_one(g) for g in groups]
+        plans = [self._plan(i, g) for i, g in enumerate(groups)]
+        logprobs: list[dict[int, list[float]]] = [{} for _ in groups]
+        rows = [r for plan in plans for r in plan.rows]
+        for batch in self._passes(rows):
+            for work, values in zip(batch, self._run(batch, [groups[w.group] for w in batch])):
+                logprobs[work.group].update(zip(work.members, values))
+        return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused)
+                for g, lp, plan in zip(groups, logprobs, plans)]
+
+    def _plan(self, index: int, group: Group) -> Plan:
+        prompts = group.prompts
+        shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1)
+        prefix = tuple(prompts[0][:shared])
+        k, entry = self.prefixes.longest(prefix) if shared else (0, None)
+        past = _truncate(entry, k) if k else None
+        plan = Plan(reused=k)
+        self.stats.reused_tokens += k
+        rest = sum(len(p) - shared for p in prompts)
+        if shared - k + rest > self.max_batch_tokens and shared > k:
+            past = self._prefill(prefix, past, k)
+            plan.computed += shared - k
+            k = shared
+        # A prompt whose own tail is over the budget: its tail is prefilled too, and its last token read alone.
+        short = []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) - k <= self.max_batch_tokens:
+                short.append(i)
+                continue
+            own = self._prefill(tuple(prompt[:-1]), past, k)
+            plan.rows.append(RowWork(index, pack([prompt], skip=len(prompt) - 1), [i], own, len(prompt) - 1))
+            plan.computed += len(prompt) - k
+        rows = split_rows([prompts[i] for i in short], self.max_batch_tokens, skip=k) if short else []
+        for members, row in rows:
+            # One row holds the rest of the prefix (it fits the budget): its KV comes out of that row's pass.
+            store = prefix if shared > k and len(rows) == 1 else ()
+            plan.rows.append(RowWork(index, row, [short[m] for m in members], past, k, store))
+            plan.computed += len(row)
+        return plan
+
+    def _prefill(self, tokens: tuple[int, ...], past: KV | None, start: int) -> KV:
+        """The KV cache of ``tokens``, given that of its first ``start`` tokens, computed in chunks (and cached)."""
+        for begin in range(start, len(tokens), self.max_batch_tokens):
+            end = min(begin + self.max_batch_tokens, len(tokens))
+            chunk = pack([tokens[:end]], skip=begin)
+            work = RowWork(-1, chunk, [], past, begin, store=tokens[:end])
+            past = self._forward([work], want_cache=True)[1][0]
+            self.stats.prefill_tokens += end - begin
+        assert past is not None
+        self.prefixes.put(tokens, past, _nbytes(past))
+        return past
+
+    def _passes(self, rows: list[RowWork]) -> list[list[RowWork]]:
+        """Consecutive rows in passes of at most ``max_batch_tokens`` padded tokens (a longer row alone)."""
+        out: list[list[RowWork]] = []
+        for work in rows:
+            if out:
+                batch = out[-1]
+                width = max(len(work.row), *(len(w.row) for w in batch))
+                if (len(batch) + 1) * width <= self.max_batch_tokens:
+                    batch.append(work)
+                    continue
+            out.append([work])
+        return out
+
+    def _run(self, batch: list[RowWork], groups: list[Group]) -> list[list[list[float]]]:
+        """Label log-probs of every prompt of every row; stores completed prefixes in the prefix cache."""
+        want_cache = any(w.store for w in batch)
+        logits, stored = self._forward(batch, want_cache)
+        for work, kv in zip(batch, stored):
+            if work.store and kv is not None:
+                self.prefixes.put(work.store, kv, _nbytes(kv))
+        out = []
+        for r, (work, group) in enumerate(zip(batch, groups)):
+            per_prompt = []
+            for slot, member in zip(work.row.targets, work.members):
+                lp = torch.log_softmax(logits[r][slot].to(torch.float64), dim=-1)
+                per_prompt.append([float(lp[i]) for i in group.labels[member]])
+            out.append(per_prompt)
+        return out
+
+    # ------------------------------------------------------------------------------ the forward pass
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[RowWork], want_cache: bool) -> tuple[list[dict[int, torch.Tensor]], list[KV | None]]:
+        """One forward pass over padded rows, each after its own past. Returns, per row, the logits at its targets
+        (by index in the row) and, when ``want_cache``, the KV of its first ``len(row.store)`` tokens."""
+        rows = [w.row for w in batch]
+        count, width = len(rows), max(len(r) for r in rows)
+        past_len = max(w.past_len for w in batch)
+        ids = torch.zeros(count, width, dtype=torch.long)
+        positions = torch.zeros(count, width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = torch.tensor(row.tokens)
+            positions[r, :len(row)] = torch.tensor(row.positions)
+            positions[r, len(row):] = row.positions[-1] if len(row) else 0
+        wanted = sorted({t for row in rows for t in row.targets}) or [width - 1]
+        kwargs: dict[str, Any] = {}
+        if past_len or want_cache:
+            from transformers import DynamicCache
+
+            kwargs[self.cache_arg] = DynamicCache(ddp_cache_data=self._batched_past(batch, past_len)) if past_len \
+                else DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=self._mask(batch, width, past_len),
+            use_cache=bool(kwargs),
+            logits_to_keep=torch.tensor(wanted, device=self.device),
+        **kwargs)
+        self.stats.passes += 1
+        self.stats.computed_tokens += sum(len(r) for r in rows)
+        self.stats.padded_tokens += count * width
+        self.stats.largest_pass = max(self.stats.largest_pass, count * width)
+        where = {t: k for k, t in enumerate(wanted)}
+        logits = [{t: out.logits[r, where[t]] for t in row.targets} for r, row in enumerate(rows)]
+        stored: list[KV | None] = [None] * count
+        if want_cache:
+            cache = kwargs[self.cache_arg]
+            for r, work in enumerate(batch):
+                new = len(work.store) - work.past_len
+                if work.store and new > 0:
+                    stored[r] = [(torch.cat([layer.keys[r:r + 1, :, :work.past_len],
+                                             layer.keys[r:r + 1, :, past_len:past_len + new]], dim=2),
+                                  torch.cat([layer.values[r:r + 1, :, :work.past_len],
+                                             layer.values[r:r + 1, :, past_len:past_len + new]], dim=2))
+                                 for layer in cache.layers]
+        return logits, stored
+
+    @staticmethod
+    def _batched_past(batch: list[RowWork], past_len: int) -> KV:
+        """Each row's past, padded at its end to ``past_len`` (the mask hides the padding)."""
+        if len(batch) == 1:
+            return _truncate(batch[0].past, past_len)
+        template = next(w.past for w in batch if w.past_len)
+        out = []
+        for layer, (k0, v0) in enumerate(template):
+            keys = k0.new_zeros(len(batch), k0.shape[1], past_len, k0.shape[3])
+            values = v0.new_zeros(len(batch), v0.shape[1], past_len, v0.shape[3])
+            for r, work in enumerate(batch):
+                if work.past_len:
+                    keys[r, :, :work.past_len] = work.past[layer][0][0, :, :work.past_len]
+                    values[r, :, :work.past_len] = work.past[layer][1][0, :, :work.past_len]
+            out.append((keys, values))
+        return out
+
+    def _mask(self, batch: list[RowWork], width: int, past_len: int) -> torch.Tensor:
+        """``[rows, 1, width, past_len + width]``: each row's own past, then its tree mask."""
+        mask = torch.zeros(len(batch), 1, width, past_len + width, dtype=torch.bool)
+        for r, work in enumerate(batch):
+            n = len(work.row)
+            mask[r, 0, :n, :work.past_len] = True
+            mask[r, 0, :n, past_len:past_len + n] = work.row.mask()
+            padding = torch.arange(n, width)
+            mask[r, 0, padding, past_len + padding] = True  # padding sees itself: no empty softmax rows
+        if self.bool_mask:
+            return mask.to(self.device)
+        return torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(
+            ~mask, torch.finfo(self.model.dtype).min).to(self.device)
+
+    # -------------------------------------------------------------------------------- one by one
+
+    @torch.inference_mode()
+    def reference(self, ids: Sequence[int], label_ids: Sequence[int]) -> list[float]:
+        """One plain forward pass over one prompt: the yardstick the packed path is tested against."""
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=x, logits_to_keep=1, use_cache=False).logits[0, -1]
+        lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        self.stats.passes += 1
+        self.stats.computed_tokens += len(ids)
+        return [float(lp[i]) for i in label_ids]
+
+    def _score_one_by_one(self, group: Group) -> Scored:
+        logprobs = [self.reference(p, labels) for p, labels in zip(group.prompts, group.labels)]
+        return Scored(logprobs, sum(len(p) for p in group.prompts), 0)
+
+
+def _truncate(kv: KV | None, length: int) -> KV:
+    assert kv is not None
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
+
+
+def _nbytes(kv: KV) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
