@@ -8,9 +8,16 @@ import asyncio
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from . import __version__, logs
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from .engine.calibration import Profile
+    from .engine.local import LocalEngine
+    from .gateway.config import GatewayConfig
+    from .gateway.router import Router
 
 log = logging.getLogger("decisiond")
 
@@ -49,7 +56,7 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
                         "is not recomputed (default: 1/16 of the machine's memory, at most 2048; 0 turns it off)")
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace) -> LocalEngine:
     from .engine import model as model_mod
     from .engine.local import LocalEngine
 
@@ -65,20 +72,20 @@ def _engine(args: argparse.Namespace):
     return LocalEngine(loaded, **options)
 
 
-def _profile(path: str | None):
+def _profile(path: str | None) -> Profile | None:
     """The calibration profile at ``path`` (None without one); the engine checks it fits its model and mode."""
     from .engine.calibration import Profile
 
     return Profile.load(path) if path else None
 
 
-def _load_config(args: argparse.Namespace):
+def _load_config(args: argparse.Namespace) -> GatewayConfig | None:
     from .gateway import config as gateway_config
 
     return gateway_config.load(args.config) if getattr(args, "config", None) else None
 
 
-def _router(args: argparse.Namespace, config=None):
+def _router(args: argparse.Namespace, config: GatewayConfig | None = None) -> Router:
     """With a config: the gateway it describes (local providers load their models); without: the local engine
     alone."""
     from .gateway.router import Router
@@ -150,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_decide(args: argparse.Namespace) -> int:
     """One decision from a JSON request (OpenAI's shape) read from a file or stdin; the response on stdout."""
+    from . import canonical
     from .dialects import openai as dialect
     from .dialects.common import parse_json
     from .engine.calibration import ProfileError
@@ -169,6 +177,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
         router = Router.local_only(engine)
         context = Context("cli", "decide", "openai", strict_model=False)
         result = asyncio.run(Gateway(router).pipeline.run(context, request))
+        assert isinstance(result, canonical.DecisionResult)
         out, code = dialect.render_response(result, request), 0
     except DecisionError as error:
         out, code = dialect.error_body(error), 1
@@ -196,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_engine_for(args: argparse.Namespace):
+def _load_engine_for(args: argparse.Namespace) -> LocalEngine:
     from .engine import model as model_mod
     from .engine.local import LocalEngine
 
@@ -227,6 +236,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit a regularised temperature (and optionally a per-position bias) per question type on top of a mode, or
     on top of the best mode (``--auto``); write a profile."""
     from . import evaluation
+    from .engine.calibration import FOLDS
 
     items = evaluation.load(args.file)
     profile, summary = evaluation.calibrate(_load_engine_for(args), items, order=args.order,
@@ -243,7 +253,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   f"cross-validated log loss ({row['cv_log_loss_base']:.3f})")
         else:
             print(f"{kind}: {row['questions']} questions, {mode}+fit with L2 strength {row['strength']:g} "
-                  f"(chosen by {evaluation.FOLDS}-fold CV), temperature {row['temperature']:.3f}"
+                  f"(chosen by {FOLDS}-fold CV), temperature {row['temperature']:.3f}"
                   + (f", bias {[round(b, 3) for b in row['bias']]}" if row["bias"] else "")
                   + f", cross-validated log loss {row['cv_log_loss_base']:.3f} -> {row['cv_log_loss']:.3f}")
     print(f"wrote {args.out}; serve with: decisiond serve --model {args.model} --calibration {args.out} "
@@ -291,11 +301,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
                     print(f"{r['id']:<18} {r['name'][:20]:<20} {r['user_path'][:20]:<20} {r['status']:<8} "
                           f"{','.join(r['models']) if r['models'] is not None else '*'}")
             else:
-                record = await store.revoke(args.id)
-                if record is None:
+                revoked = await store.revoke(args.id)
+                if revoked is None:
                     print(f"decisiond: no API key with id {args.id!r}", file=sys.stderr)
                     return 1
-                print(json.dumps(record.public(), indent=2))
+                print(json.dumps(revoked.public(), indent=2))
             return 0
         finally:
             await db.aclose()
@@ -465,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level)
-    return args.func(args)
+    code: int = args.func(args)
+    return code
 
 
 if __name__ == "__main__":

@@ -26,13 +26,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .canonical import DecisionRequest
+from .canonical import DecisionRequest, Question
 from .dialects import openai as openai_wire
 from .engine.calibration import FOLDS, STRENGTHS, Fit, Profile, Sample, combine, folds, regularised_fit
 from .engine.prompt import PROMPT_FORMAT_VERSION
 from .errors import DecisionError
+
+if TYPE_CHECKING:
+    from .engine.local import LocalEngine
 
 MODES = {"raw": ("given", "none"), "cyclic": ("cyclic", "none"), "contextual": ("given", "contextual"),
          "both": ("cyclic", "contextual")}  # base mode -> (order, calibrate)
@@ -68,7 +71,7 @@ def load(path: str | Path) -> list[LabeledItem]:
     return items
 
 
-def gold_index(question, value: Any) -> int:
+def gold_index(question: Question, value: Any) -> int:
     if question.kind == "yes_no":
         if not isinstance(value, bool):
             raise ValueError(f"gold for predicate {question.name!r} must be true or false")
@@ -99,7 +102,7 @@ def parse_mode(name: str) -> tuple[str, str, bool]:
     return order, calibrate_mode, fitted
 
 
-def collect(engine, items: list[LabeledItem], progress: bool = True) -> tuple[list[Sample], list[int]]:
+def collect(engine: LocalEngine, items: list[LabeledItem], progress: bool = True) -> tuple[list[Sample], list[int]]:
     """Score every item once with every rendering any mode needs: the samples, and each one's item index."""
     from tqdm import tqdm
 
@@ -252,7 +255,7 @@ def best_mode(report: dict[str, Any]) -> str:
     return min(ALL_MODES, key=lambda mode: (report["modes"][mode]["all"]["log_loss"], ALL_MODES.index(mode)))
 
 
-def evaluate(engine, items: list[LabeledItem], threshold: float = 0.5, with_bias: bool = False,
+def evaluate(engine: LocalEngine, items: list[LabeledItem], threshold: float = 0.5, with_bias: bool = False,
              coverage: float = 0.5, resamples: int = 1000, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     samples, groups = collect(engine, items, progress)
     return {"model": engine.name, **assess(samples, groups, threshold, coverage, with_bias, resamples, seed)}
@@ -363,7 +366,7 @@ def fit_profile(samples: list[Sample], order: str, calibrate_mode: str, with_bia
     return profile, summary
 
 
-def calibrate(engine, items: list[LabeledItem], order: str = "given", calibrate_mode: str = "none",
+def calibrate(engine: LocalEngine, items: list[LabeledItem], order: str = "given", calibrate_mode: str = "none",
               with_bias: bool = False, auto: bool = False, progress: bool = True, source: str = "",
               resamples: int = 1000, seed: int = 0) -> tuple[Profile, dict[str, Any]]:
     """A profile fitted on labeled data under the given mode, or (``auto``) under the mode ``eval`` finds best.
