@@ -3,7 +3,10 @@
 - ``POST /admin/keys`` ``{name, user_path?, models?, rate_limits?, expires_at? | expires_in_seconds?}`` → 201 with
   the key's record and, this once, its secret ``key``;
 - ``GET /admin/keys`` → the records, never a secret;
-- ``DELETE /admin/keys/{id}`` → the revoked record.
+- ``DELETE /admin/keys/{id}`` → the revoked record;
+- ``GET /admin/cache`` → the response cache's statistics (entries, bytes, hits, misses; Redis entries if shared);
+- ``DELETE /admin/cache`` → empties this process's cache and the shared Redis entries (other replicas' in-process
+  copies live until their TTL).
 """
 
 from __future__ import annotations
@@ -114,3 +117,27 @@ async def revoke_key(request: Request, key_id: str) -> Any:
     gateway: Gateway = request.app.state.gateway
     gateway.auth.forget()
     return record.public()
+
+
+async def _master(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    Authenticator.require_master(await gateway.auth.authenticate(request.headers))
+    return gateway
+
+
+@router.get("/cache")
+async def cache_stats(request: Request) -> Any:
+    try:
+        gateway = await _master(request)
+    except DecisionError as error:
+        return _error(error)
+    return await gateway.cache.stats()
+
+
+@router.delete("/cache")
+async def cache_clear(request: Request) -> Any:
+    try:
+        gateway = await _master(request)
+    except DecisionError as error:
+        return _error(error)
+    return await gateway.cache.clear()

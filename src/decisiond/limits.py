@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
+    "CACHE_MAX_BYTES",
+    "CACHE_TTL_S",
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_DOCUMENT_DEPTH",
     "JSON",
@@ -67,3 +69,8 @@ MAX_DOCUMENT_DEPTH = 64
 BODY_READ_TIMEOUT_S = 30.0
 # Request bodies, after decompression (``serve --max-body-bytes``).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+# The response cache (``gateway.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
+# encoded answers one process keeps in memory (least recently used first out).
+CACHE_TTL_S = 3600
+CACHE_MAX_BYTES = 64 * 1024 * 1024

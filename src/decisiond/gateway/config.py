@@ -37,8 +37,11 @@ from pydantic import (
     model_validator,
 )
 
+from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
+
 __all__ = [
     "AuthConfig",
+    "CacheConfig",
     "ConfigError",
     "GatewayConfig",
     "Limits",
@@ -136,6 +139,8 @@ class ProviderConfig(BaseModel):
     limits: Limits | None = None
     rate_limits: RateLimitConfig | None = None
     headers: dict[str, str] = Field(default_factory=dict)
+    # Whether its answers are cached (see ``CacheConfig``); None: local providers yes, upstream providers no.
+    cache: bool | None = None
 
     @field_validator("type")
     @classmethod
@@ -163,6 +168,8 @@ class ModelConfig(BaseModel):
     images: bool | None = None
     description: str = ""
     rate_limits: RateLimitConfig | None = None
+    # Whether its answers are cached; None leaves it to its provider.
+    cache: bool | None = None
 
 
 class VirtualModelConfig(BaseModel):
@@ -174,6 +181,8 @@ class VirtualModelConfig(BaseModel):
     # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
     deadline: float | None = Field(default=None, gt=0)
     attempt_timeout: float | None = Field(default=None, gt=0)
+    # Whether answers asked under this name are cached; None leaves it to the target that answers.
+    cache: bool | None = None
 
     @model_validator(mode="after")
     def _alias_has_one(self) -> "VirtualModelConfig":
@@ -211,6 +220,20 @@ class AuthConfig(BaseModel):
     keys: list[StaticKeyConfig] = Field(default_factory=list)
 
 
+class CacheConfig(BaseModel):
+    """The exact response cache (``gateway.cache``): in-process memory, plus Redis shared by replicas when
+    ``redis_url`` is set. Which models it applies to: ``cache`` on a virtual model, a model or a provider (any
+    ``false`` wins, then any ``true``), else local models only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    ttl: float = Field(default=CACHE_TTL_S, gt=0)
+    max_bytes: int = Field(default=CACHE_MAX_BYTES, ge=0)
+    # Entries shared by several replicas (redis://…); in-process memory only when unset.
+    redis_url: str | None = Field(default=None, repr=False)
+
+
 class UserPathLimit(RateLimitConfig):
     """Limits shared by every caller whose user path is ``user_path`` or below it."""
 
@@ -231,6 +254,7 @@ class GatewayConfig(BaseModel):
     # Shared rate-limit counters for several replicas; in-process memory when unset.
     redis_url: str | None = None
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
     # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
     deadline: float = Field(default=DEFAULT_DEADLINE, gt=0)
     providers: list[ProviderConfig] = Field(default_factory=list)

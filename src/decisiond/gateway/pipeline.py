@@ -1,7 +1,9 @@
 """The gateway's spine: every decision and score request, whatever its route and dialect, runs through one
 ordered chain of small stages between parsing and rendering.
 
-    request limits → resolve model → allowlist → rate limits → (budgets, guardrails, cache) → route (failover)
+    request limits → resolve model → allowlist → (guardrails) → cache → rate limits → (budgets) → route (failover)
+
+The cache sits before the rate limits so that an answer served from it costs no rate-limit tokens (nor budget).
 
 Each stage is an async callable ``stage(context, request, call_next) -> result``: it may look at or change the
 context, refuse by raising a ``DecisionError`` (which the server renders in the caller's dialect), or wrap the
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, Protocol, Union
+from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 
@@ -66,6 +68,10 @@ class Context:
     outcomes: dict[str, str] = field(default_factory=dict)
     # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
     response_headers: dict[str, str] = field(default_factory=dict)
+    # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
+    request_headers: Mapping[str, str] = field(default_factory=dict)
+    # The targets the router tried, in order (one per attempt, failed ones included).
+    attempts: list[str] = field(default_factory=list)
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

@@ -11,6 +11,7 @@ from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResu
 from ..store import Database, KeyStore
 from .allowlist import Allowlist
 from .auth import Authenticator
+from .cache import CacheStage, ResponseCache
 from .config import GatewayConfig
 from .limits import RequestLimits
 from .pipeline import Context, Pipeline, Stage
@@ -41,7 +42,11 @@ class Gateway:
             providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
         self.db: Database | None = None
         self.keys: KeyStore | None = None
-        stages: list[Stage] = [RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter)]
+        self.cache = ResponseCache(config.cache)
+        # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
+        # limits: a hit runs nothing downstream, so it consumes no rate-limit tokens (nor, later, budget).
+        stages: list[Stage] = [RequestLimits(), ResolveModel(router), Allowlist(router), CacheStage(self.cache, router),
+                               RateLimitStage(self.limiter)]
         self.pipeline = Pipeline(stages, self._route)
 
     @staticmethod
@@ -67,6 +72,7 @@ class Gateway:
     async def aclose(self) -> None:
         await self.router.aclose()
         await self.limiter.aclose()
+        await self.cache.aclose()
         if self.db is not None:
             await self.db.aclose()
 
@@ -74,6 +80,7 @@ class Gateway:
         tokens = estimated_tokens(request)
 
         def gate(target: Target) -> Any:
+            context.attempts.append(target.name)
             return self.limiter.gate(target.name, target.provider.name, tokens)
 
         if context.operation == "score":
