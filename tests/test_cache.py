@@ -243,3 +243,25 @@ def test_admin_cache_statistics_and_delete_need_the_master_key(gw):
     assert deleted.status_code == 200 and deleted.json()["entries"] >= 1
     assert httpx.get(gw.url + "/admin/cache", headers=master).json()["entries"] == 0
     assert post(gw, request).headers["x-cache"] == "MISS"
+
+
+def test_the_calibration_profile_in_force_is_part_of_the_key(tiny):
+    from decisiond.canonical import DecisionRequest, Message, Question, Text
+    from decisiond.engine.calibration import Fit, Profile
+    from decisiond.engine.local import LocalEngine
+    from decisiond.gateway.cache import CacheStage, ResponseCache
+    from decisiond.gateway.config import CacheConfig
+    from decisiond.gateway.pipeline import Context
+    from decisiond.gateway.router import Router
+
+    request = DecisionRequest((Message("user", (Text("hi"),)),), (Question("yes_no", "q", (Text("?"),)),))
+    keys = []
+    for profile in (None, Profile("tiny-random", 1, fits={"yes_no": Fit(temperature=1.5)}),
+                    Profile("tiny-random", 1, fits={"yes_no": Fit(temperature=2.0)})):
+        engine = LocalEngine(tiny, profile=profile)
+        stage = CacheStage(ResponseCache(CacheConfig()), Router.local_only(engine))
+        context = Context("req_1", "decide", "openai", resolved_model="tiny-random")
+        plan = stage.plan(context, request)
+        assert plan is not None
+        keys.append(plan[0])
+    assert len(set(keys)) == 3
