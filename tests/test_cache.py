@@ -265,3 +265,20 @@ def test_the_calibration_profile_in_force_is_part_of_the_key(tiny):
         assert plan is not None
         keys.append(plan[0])
     assert len(set(keys)) == 3
+
+
+def test_a_hit_consumes_no_rate_limit_tokens(gw):
+    created = httpx.post(gw.url + "/admin/keys", headers={"Authorization": f"Bearer {MASTER}"}, timeout=30,
+                         json={"name": "two-a-minute", "rate_limits": {"requests_per_minute": 2}})
+    key = created.json()["key"]
+
+    def ask(request):
+        return httpx.post(gw.url + "/v1/decisions", json=request, headers={"Authorization": f"Bearer {key}"},
+                          timeout=60)
+
+    request = body()
+    statuses = [ask(request) for _ in range(4)]
+    assert [(r.status_code, r.headers.get("x-cache")) for r in statuses] == [(200, "MISS")] + [(200, "HIT")] * 3
+    assert ask(body()).status_code == 200  # the second token of the minute
+    assert ask(body()).status_code == 429
+    assert ask(request).status_code == 200  # still a hit
