@@ -13,7 +13,6 @@ import zlib
 
 import httpx
 import pytest
-
 import upstreams
 from servers import start_decisiond
 

@@ -101,7 +101,12 @@ IN_PROCESS = "decisiond in-process"
 # ----------------------------------------------------------------------------------------------- http
 
 
-async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[float, list[float]]:
+# Throughput phases ask each ticket several times (once per client count): the response cache must not answer.
+NO_STORE = {"cache-control": "no-store"}
+
+
+async def _clients(url: str, bodies: list[dict], clients: int,
+                   headers: dict[str, str] = NO_STORE) -> tuple[float, list[float]]:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -113,7 +118,7 @@ async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[float, l
         while not queue.empty():
             body = queue.get_nowait()
             t = time.perf_counter()
-            r = await client.post(url + "/v1/decisions", json=body)
+            r = await client.post(url + "/v1/decisions", json=body, headers=headers)
             r.raise_for_status()
             latencies.append(time.perf_counter() - t)
 
@@ -122,6 +127,33 @@ async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[float, l
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(clients)))
         return time.perf_counter() - start, latencies
+
+
+CACHE_MISS = "response cache: miss (first ask), HTTP 1 client"
+CACHE_HIT = "response cache: hit (same request again), HTTP 1 client"
+
+
+def repeated(url: str, name: str, requests: list[DecisionRequest]) -> tuple[Row, Row]:
+    """The repeated-request workload: each ticket (not asked before) is sent twice in a row, the first answer
+    computed and stored (``X-Cache: MISS``), the second read from the cache (``HIT``): miss and hit latencies side
+    by side, ticket by ticket. A response with any other ``X-Cache`` is an error."""
+    import httpx
+
+    latencies: dict[str, list[float]] = {"MISS": [], "HIT": []}
+    with httpx.Client(timeout=600) as client:
+        for request in requests:
+            body = workload.openai_body(request, "default")
+            for expected in ("MISS", "HIT"):
+                t = time.perf_counter()
+                r = client.post(url + "/v1/decisions", json=body)
+                elapsed = time.perf_counter() - t
+                r.raise_for_status()
+                if r.headers.get("x-cache") != expected:
+                    raise RuntimeError(f"expected X-Cache: {expected}, got {r.headers.get('x-cache')!r}")
+                latencies[expected].append(elapsed)
+    questions = sum(len(r.questions) for r in requests)
+    return (Row(name, CACHE_MISS, len(requests), questions, math.fsum(latencies["MISS"]), latencies["MISS"]),
+            Row(name, CACHE_HIT, len(requests), questions, math.fsum(latencies["HIT"]), latencies["HIT"]))
 
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -239,6 +271,8 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
                 seconds, latencies = asyncio.run(_clients(url, bodies, n))
                 rows.append(Row(name, f"decisiond HTTP, {n} client{'s' if n > 1 else ''}", len(bodies),
                                 sum(len(r.questions) for r in requests), seconds, latencies))
+            log(f"[{name}] repeated requests: cache miss then hit, ticket by ticket …")
+            rows += repeated(url, name, workload.requests(tickets, count, seed=1234))
             server_rss = max(server_rss or 0.0, peak_rss_mb(process.pid))
         finally:
             process.terminate()
@@ -267,6 +301,10 @@ def speedups(report: dict) -> dict[str, float]:
         naive = by[(name, NAIVE)].qps
         out[f"{name}: in-process / naive"] = by[(name, IN_PROCESS)].qps / naive
         http = [r for r in report["rows"] if r.workload == name and r.mode.startswith("decisiond HTTP")]
+        misses = [r for r in report["rows"] if r.workload == name and r.mode == CACHE_MISS]
+        hits = [r for r in report["rows"] if r.workload == name and r.mode == CACHE_HIT]
+        if misses and hits:
+            out[f"{name}: cache miss p50 / cache hit p50"] = misses[0].percentile(0.5) / hits[0].percentile(0.5)
         if len(http) >= 2:
             out[f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"] = http[-1].qps / http[0].qps
     return out
@@ -281,7 +319,9 @@ def markdown(report: dict, command: str) -> str:
         f"Model {report['model']} ({report['dtype']}), {report['tickets']} support tickets of about 150 tokens "
         f"(naive loop: first {report['naive_tickets']}), on {report['machine']}. All rows come from the same run; "
         "the naive loop and the in-process engine take turns, 10 tickets each (their times are the sums of their "
-        "request latencies); only ratios are meant to carry over to other machines.",
+        "request latencies); only ratios are meant to carry over to other machines. HTTP throughput rows send "
+        "`Cache-Control: no-store`; the response-cache rows ask other tickets, each twice in a row (a miss, then a hit "
+        "of the same request), so that miss and hit latencies are measured side by side.",
         "",
         "| workload | mode | questions/s | p50 request (s) | p95 request (s) | × naive | time / FLOP bound |",
         "|---|---|---:|---:|---:|---:|---:|",
