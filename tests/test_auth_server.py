@@ -33,6 +33,8 @@ auth:
 database_url: "sqlite:///${DB_DIR}/keys.sqlite3"
 rate_limits:
   - {user_path: /team/slow, requests_per_minute: 2}
+# These tests repeat one request to count it against limits; a cache hit would cost nothing (test_cache).
+cache: {enabled: false}
 providers:
   - {name: local, type: local, model: "${TINY_DIR}", served_model_name: tiny-local}
   - {name: up1, type: openai, base_url: "${UP1}/v1", api_key: "${UP_KEY}", rate_limits: {requests_per_minute: 1}}

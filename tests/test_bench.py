@@ -30,12 +30,15 @@ def test_bench_command_end_to_end(tiny_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(raw.read_text())
     modes = [(r["workload"], r["mode"]) for r in report["rows"]]
-    assert len(modes) == 8 and ("10q", "decisiond HTTP, 2 clients") in modes
+    assert len(modes) == 12 and ("10q", "decisiond HTTP, 2 clients") in modes
+    # The repeated-request workload: every ticket a miss then a hit (the runner checks X-Cache), in the same run.
+    assert ("3q", runner.CACHE_MISS) in modes and ("3q", runner.CACHE_HIT) in modes
     assert all(r["questions"] == r["requests"] * int(r["workload"][:-1]) for r in report["rows"])
     # The naive loop and decisiond computed the same probabilities.
     assert max(report["agreement"].values()) < 1e-4
     assert set(report["speedups"]) == {"3q: in-process / naive", "3q: HTTP 2 clients / HTTP 1 client",
-                                       "10q: in-process / naive", "10q: HTTP 2 clients / HTTP 1 client"}
+                                       "10q: in-process / naive", "10q: HTTP 2 clients / HTTP 1 client",
+                                       "3q: cache miss p50 / cache hit p50", "10q: cache miss p50 / cache hit p50"}
     assert report["server_peak_rss_mb"] > 0 and report["bounds"]["3q"]["unique_tokens"] > 0
     text = out.read_text()
     assert "| 10q | decisiond in-process |" in text and "time / FLOP bound" in text

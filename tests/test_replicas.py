@@ -22,6 +22,8 @@ auth:
     - {name: shared, key: "${TEST_STATIC}", rate_limits: {requests_per_minute: 3}}
 database_url: "${TEST_DB}"
 redis_url: "${TEST_REDIS}"
+# These tests repeat one request to count it against limits; a cache hit would cost nothing (test_cache).
+cache: {enabled: false}
 providers:
   - {name: local, type: local, model: "${TINY_DIR}", served_model_name: tiny-local}
 """

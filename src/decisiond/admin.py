@@ -13,6 +13,9 @@
 
 Any key: ``GET /v1/usage`` → its own spend, its budgets (``remaining_usd``, ``resets_in_seconds``) and its live
 rate-limit counters.
+- ``GET /admin/cache`` → the response cache's statistics (entries, bytes, hits, misses; Redis entries if shared);
+- ``DELETE /admin/cache`` → empties this process's cache and the shared Redis entries (other replicas' in-process
+  copies live until their TTL).
 """
 
 from __future__ import annotations
@@ -286,3 +289,25 @@ async def own_usage(request: Request) -> Any:
         return _error(DecisionError("usage is unavailable: the database cannot be reached", code="no_database",
                                     status=503, type="server_error"))
     return out
+async def _master(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    Authenticator.require_master(await gateway.auth.authenticate(request.headers))
+    return gateway
+
+
+@router.get("/cache")
+async def cache_stats(request: Request) -> Any:
+    try:
+        gateway = await _master(request)
+    except DecisionError as error:
+        return _error(error)
+    return await gateway.cache.stats()
+
+
+@router.delete("/cache")
+async def cache_clear(request: Request) -> Any:
+    try:
+        gateway = await _master(request)
+    except DecisionError as error:
+        return _error(error)
+    return await gateway.cache.clear()

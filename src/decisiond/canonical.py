@@ -32,6 +32,7 @@ __all__ = [
     "TextValue",
     "ToolCall",
     "ToolOutput",
+    "UNORDERED",
     "Usage",
 ]
 
@@ -39,6 +40,11 @@ __all__ = [
 TextValue = Union[str, dict[str, Any], list[Any]]
 
 QuestionKind = Literal["yes_no", "choice", "score"]
+
+
+# Field metadata: a mapping whose key order never changes an answer (options, not text the model reads). The key
+# order of JSON the model reads (``Json.data``, an object ``TextValue``) is rendered into the prompt, so it counts.
+UNORDERED = {"unordered": True}
 
 
 def _source() -> Any:
@@ -171,7 +177,9 @@ class DecisionRequest:
     model: str | None = None
     # Divides the label log-probs before the softmax over the labels; None means the model's default (1).
     temperature: float | None = None
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Every field below that can change an answer takes part in equality (and in the response cache's key, see
+    # ``cache_key``); dicts are left out of hashing only, since they cannot be hashed.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, metadata=UNORDERED)
     prompt_format_version: int | None = None
     return_prompt_token_ids: bool = False
     # decisiond's quality extensions: "given" | "cyclic" option order, "none" | "contextual" calibration;
@@ -180,12 +188,13 @@ class DecisionRequest:
     calibrate: str | None = None
     # OpenAI's cache and safety fields, kept so a request forwarded upstream loses nothing.
     prompt_cache_key: str | None = None
-    prompt_cache_options: dict[str, Any] | None = field(default=None, compare=False)
+    prompt_cache_options: dict[str, Any] | None = field(default=None, hash=False, metadata=UNORDERED)
     safety_identifier: str | None = None
     # Other top-level fields the caller sent, name → JSON value, in the caller's order.
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, metadata=UNORDERED)
     # Dialect name → how the request was spelled on that wire (e.g. ``dialects.openai.OpenAIWire``), so that a
-    # request forwarded in the wire format it came in keeps its shape. Never changes an answer.
+    # request forwarded in the wire format it came in keeps its shape. Never changes an answer, so it takes no part
+    # in equality or in the cache key: the same decision asked through two dialects is one request.
     wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def images(self) -> list[Image]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
+    "CACHE_MAX_BYTES",
+    "CACHE_TTL_S",
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_DOCUMENT_DEPTH",
     "JSON",
@@ -90,3 +92,7 @@ BUDGET_CACHE_S = 2.0
 BUDGET_DB_TIMEOUT_S = 3.0
 # GET /admin/audit: rows per page at most.
 AUDIT_PAGE_MAX = 1000
+# The response cache (``gateway.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
+# encoded answers one process keeps in memory (least recently used first out).
+CACHE_TTL_S = 3600
+CACHE_MAX_BYTES = 64 * 1024 * 1024

@@ -179,7 +179,7 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
     document = payload.document
     fields["dialect"] = dialect.name
     context = Context(request.state.request_id, dialect.operation, dialect.name, caller,
-                      strict_model=dialect.strict_model)
+                      strict_model=dialect.strict_model, request_headers=request.headers)
     try:
         parsed = dialect.parse(document, payload.files)
         fields["model"] = parsed.model
@@ -190,6 +190,8 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
         result = await gateway.pipeline.run(context, parsed)
         headers = dict(context.response_headers)
         fields["resolved_model"] = context.resolved_model
+        if "x-cache" in headers:  # a hit costs nothing: the access line is the record of it
+            fields["cache"] = headers["x-cache"].lower()
         if isinstance(result, ScoreResult):
             fields["input_tokens"] = result.prompt_tokens
         else:

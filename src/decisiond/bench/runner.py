@@ -102,7 +102,12 @@ IN_PROCESS = "decisiond in-process"
 # ----------------------------------------------------------------------------------------------- http
 
 
-async def _clients(url: str, bodies: list[dict], clients: int, probe_health: bool = False):
+# Throughput phases ask each ticket several times (once per client count): the response cache must not answer.
+NO_STORE = {"cache-control": "no-store"}
+
+
+async def _clients(url: str, bodies: list[dict], clients: int, probe_health: bool = False,
+                   headers: dict[str, str] = NO_STORE):
     """Post ``bodies`` from ``clients`` concurrent clients; with ``probe_health``, also time ``GET /health`` every
     50 ms meanwhile (the event loop's responsiveness under load). Returns (seconds, latencies[, health])."""
     import httpx
@@ -116,7 +121,7 @@ async def _clients(url: str, bodies: list[dict], clients: int, probe_health: boo
         while not queue.empty():
             body = queue.get_nowait()
             t = time.perf_counter()
-            r = await client.post(url + "/v1/decisions", json=body)
+            r = await client.post(url + "/v1/decisions", json=body, headers=headers)
             r.raise_for_status()
             latencies.append(time.perf_counter() - t)
 
@@ -142,6 +147,33 @@ async def _clients(url: str, bodies: list[dict], clients: int, probe_health: boo
             return seconds, latencies
         await probing
         return seconds, latencies, health
+
+
+CACHE_MISS = "response cache: miss (first ask), HTTP 1 client"
+CACHE_HIT = "response cache: hit (same request again), HTTP 1 client"
+
+
+def repeated(url: str, name: str, requests: list[DecisionRequest]) -> tuple[Row, Row]:
+    """The repeated-request workload: each ticket (not asked before) is sent twice in a row, the first answer
+    computed and stored (``X-Cache: MISS``), the second read from the cache (``HIT``): miss and hit latencies side
+    by side, ticket by ticket. A response with any other ``X-Cache`` is an error."""
+    import httpx
+
+    latencies: dict[str, list[float]] = {"MISS": [], "HIT": []}
+    with httpx.Client(timeout=600) as client:
+        for request in requests:
+            body = workload.openai_body(request, "default")
+            for expected in ("MISS", "HIT"):
+                t = time.perf_counter()
+                r = client.post(url + "/v1/decisions", json=body)
+                elapsed = time.perf_counter() - t
+                r.raise_for_status()
+                if r.headers.get("x-cache") != expected:
+                    raise RuntimeError(f"expected X-Cache: {expected}, got {r.headers.get('x-cache')!r}")
+                latencies[expected].append(elapsed)
+    questions = sum(len(r.questions) for r in requests)
+    return (Row(name, CACHE_MISS, len(requests), questions, math.fsum(latencies["MISS"]), latencies["MISS"]),
+            Row(name, CACHE_HIT, len(requests), questions, math.fsum(latencies["HIT"]), latencies["HIT"]))
 
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -285,6 +317,8 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
                 rows.append(Row(name, f"decisiond HTTP, {n} client{'s' if n > 1 else ''}", len(bodies),
                                 sum(len(r.questions) for r in requests), seconds, latencies))
                 health[f"{name}, {n} client{'s' if n > 1 else ''}"] = _percentile(probes, 0.99)
+            log(f"[{name}] repeated requests: cache miss then hit, ticket by ticket …")
+            rows += repeated(url, name, workload.requests(tickets, count, seed=1234))
             server_rss = max(server_rss or 0.0, peak_rss_mb(process.pid))
         finally:
             process.terminate()
@@ -352,6 +386,10 @@ def speedups(report: dict) -> dict[str, float]:
         naive = by[(name, NAIVE)].qps
         out[f"{name}: in-process / naive"] = by[(name, IN_PROCESS)].qps / naive
         http = [r for r in report["rows"] if r.workload == name and r.mode.startswith("decisiond HTTP")]
+        misses = [r for r in report["rows"] if r.workload == name and r.mode == CACHE_MISS]
+        hits = [r for r in report["rows"] if r.workload == name and r.mode == CACHE_HIT]
+        if misses and hits:
+            out[f"{name}: cache miss p50 / cache hit p50"] = misses[0].percentile(0.5) / hits[0].percentile(0.5)
         if len(http) >= 2:
             out[f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"] = http[-1].qps / http[0].qps
     if (AGAIN, IN_PROCESS) in by:
@@ -368,8 +406,10 @@ def markdown(report: dict, command: str) -> str:
         f"Model {report['model']} ({report['dtype']}), {report['tickets']} support tickets of about 150 tokens "
         f"(naive loop: first {report['naive_tickets']}), on {report['machine']}. All rows come from the same run; "
         "the naive loop and the in-process engine take turns, 10 tickets each (2 for the long documents; their "
-        "times are the sums of their request latencies); only ratios are meant to carry over to other machines." +
-        (f" {report['note']}" if report.get("note") else ""),
+        "times are the sums of their request latencies); only ratios are meant to carry over to other machines. "
+        "HTTP throughput rows send `Cache-Control: no-store`; the response-cache rows ask other tickets, each twice "
+        "in a row (a miss, then a hit of the same request), so that miss and hit latencies are measured side by "
+        "side." + (f" {report['note']}" if report.get("note") else ""),
         "",
         "| workload | mode | questions/s | p50 request (s) | p95 request (s) | × naive | time / FLOP bound |",
         "|---|---|---:|---:|---:|---:|---:|",

@@ -40,11 +40,13 @@ from pydantic import (
 
 from .guardrails import GuardrailConfig
 from .pricing import Pricing, check_pricing
+from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
 
 __all__ = [
     "AuditConfig",
     "AuthConfig",
     "BudgetConfig",
+    "CacheConfig",
     "ConfigError",
     "GatewayConfig",
     "Limits",
@@ -144,6 +146,8 @@ class ProviderConfig(BaseModel):
     # The default price of this provider's models (see gateway.pricing); a model's own price wins.
     pricing: Pricing | None = None
     headers: dict[str, str] = Field(default_factory=dict)
+    # Whether its answers are cached (see ``CacheConfig``); None: local providers yes, upstream providers no.
+    cache: bool | None = None
 
     @field_validator("type")
     @classmethod
@@ -176,6 +180,8 @@ class ModelConfig(BaseModel):
     rate_limits: RateLimitConfig | None = None
     guardrails: list[str] = Field(default_factory=list)
     pricing: Pricing | None = None
+    # Whether its answers are cached; None leaves it to its provider.
+    cache: bool | None = None
 
 
 class VirtualModelConfig(BaseModel):
@@ -188,6 +194,8 @@ class VirtualModelConfig(BaseModel):
     deadline: float | None = Field(default=None, gt=0)
     attempt_timeout: float | None = Field(default=None, gt=0)
     guardrails: list[str] = Field(default_factory=list)
+    # Whether answers asked under this name are cached; None leaves it to the target that answers.
+    cache: bool | None = None
 
     @model_validator(mode="after")
     def _alias_has_one(self) -> "VirtualModelConfig":
@@ -224,6 +232,20 @@ class AuthConfig(BaseModel):
     # The master key; DECISIOND_MASTER_KEY is used when this is not set.
     master_key: str | None = Field(default=None, min_length=16, repr=False)
     keys: list[StaticKeyConfig] = Field(default_factory=list)
+
+
+class CacheConfig(BaseModel):
+    """The exact response cache (``gateway.cache``): in-process memory, plus Redis shared by replicas when
+    ``redis_url`` is set. Which models it applies to: ``cache`` on a virtual model, a model or a provider (any
+    ``false`` wins, then any ``true``), else local models only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    ttl: float = Field(default=CACHE_TTL_S, gt=0)
+    max_bytes: int = Field(default=CACHE_MAX_BYTES, ge=0)
+    # Entries shared by several replicas (redis://…); in-process memory only when unset.
+    redis_url: str | None = Field(default=None, repr=False)
 
 
 class UserPathLimit(RateLimitConfig):
@@ -282,6 +304,7 @@ class GatewayConfig(BaseModel):
     # Shared rate-limit counters for several replicas; in-process memory when unset.
     redis_url: str | None = None
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
     # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
     deadline: float = Field(default=DEFAULT_DEADLINE, gt=0)
     guardrails: list[GuardrailConfig] = Field(default_factory=list)

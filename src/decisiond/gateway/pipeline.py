@@ -1,7 +1,11 @@
 """The gateway's spine: every decision and score request, whatever its route and dialect, runs through one
 ordered chain of small stages between parsing and rendering.
 
-    request limits → resolve model → allowlist → rate limits → budgets → guardrails → (cache) → route (failover)
+    request limits → resolve model → allowlist → cache → rate limits → budgets → guardrails → route (failover)
+
+The cache sits before the rate limits so that an answer served from it costs no rate-limit tokens nor budget; its
+key covers the guardrails in force (they are deterministic functions of the request), so an entry is only ever
+an answer to what those guardrails let through.
 
 Each stage is an async callable ``stage(context, request, call_next) -> result``: it may look at or change the
 context, refuse by raising a ``DecisionError`` (which the server renders in the caller's dialect), or wrap the
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, Protocol, Union
+from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 
@@ -68,12 +72,14 @@ class Context:
     outcomes: dict[str, str] = field(default_factory=dict)
     # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
     response_headers: dict[str, str] = field(default_factory=dict)
-    # For the usage record: the targets the router tried (in order), the one that answered (provider, name), and
-    # the request's cost in USD once known; a cache stage sets cache_hit.
+    # For the usage record: the targets the router tried (in order, failed attempts included), the one that
+    # answered (provider, name), the request's cost in USD once known, and whether the cache answered.
     targets_tried: list[str] = field(default_factory=list)
     answered_by: tuple[str, str] | None = None
     cost: float | None = None
     cache_hit: bool = False
+    # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
+    request_headers: Mapping[str, str] = field(default_factory=dict)
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

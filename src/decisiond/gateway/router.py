@@ -82,6 +82,8 @@ class Target:
         if default is not None and default.per_request is not None and set(self.capabilities) != {"decisions"}:
             return None
         return default
+    # The model's ``cache`` setting (None: its provider's).
+    cache: bool | None = None
 
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         if "decisions" not in self.capabilities:
@@ -176,6 +178,10 @@ class Router:
 
     def known(self, name: str | None) -> bool:
         return name is not None and (name in self.virtual or self._target(name) is not None)
+
+    def first_target(self, request: DecisionRequest, name: str) -> Target | None:
+        """The target that will answer ``request`` when nothing fails: the first of the chain that can serve it."""
+        return next((t for t in self.chain(name) if t.unsupported(request) is None), None)
 
     def chain(self, name: str) -> list[Target]:
         """The targets a name stands for, in failover order (virtual models expanded depth first)."""
@@ -317,7 +323,8 @@ async def _within(attempt: Coroutine[Any, Any, DecisionResult], seconds: float |
 
 
 def _target(m: ModelConfig, provider: Provider) -> Target:
-    return Target(m.name, provider, m.upstream or m.name, tuple(m.capabilities), m.images, m.description, m.pricing)
+    return Target(m.name, provider, m.upstream or m.name, tuple(m.capabilities), m.images, m.description,
+                  pricing=m.pricing, cache=m.cache)
 
 
 def _describe(engine: LocalEngine) -> str:

@@ -13,6 +13,7 @@ from . import pricing
 from .allowlist import Allowlist
 from .auth import Authenticator
 from .budgets import BudgetStage, BudgetStore
+from .cache import CacheStage, ResponseCache
 from .config import GatewayConfig
 from .guardrails import GuardrailConfig, GuardrailSet, GuardrailStage, judge_question
 from .limits import RequestLimits
@@ -52,9 +53,12 @@ class Gateway:
                       **{v.name: v.guardrails for v in config.virtual_models if v.guardrails}})
         self.budgets: BudgetStore | None = None
         self.usage: UsageWriter | None = None
+        self.cache = ResponseCache(config.cache)
+        # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
+        # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
         stages: list[Stage] = [
-            RequestLimits(), ResolveModel(router), Allowlist(router), RateLimitStage(self.limiter),
-            BudgetStage(lambda: self.budgets, router, config.budgets_when_database_down),
+            RequestLimits(), ResolveModel(router), Allowlist(router), CacheStage(self.cache, router, self.guardrails),
+            RateLimitStage(self.limiter), BudgetStage(lambda: self.budgets, router, config.budgets_when_database_down),
             GuardrailStage(self.guardrails),
         ]
         self.pipeline = Pipeline(stages, self._route)
@@ -90,6 +94,7 @@ class Gateway:
             await self.usage.aclose()  # flush usage records before the database closes
         await self.router.aclose()
         await self.limiter.aclose()
+        await self.cache.aclose()
         if self.db is not None:
             await self.db.aclose()
 
