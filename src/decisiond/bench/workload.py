@@ -131,5 +131,5 @@ def document(rng: random.Random, tickets: int = 13) -> str:
 def long_requests(count: int, questions=LONG_QUESTIONS, seed: int = 11) -> list[DecisionRequest]:
     """``count`` documents of about 2,000 tokens, each asked ``questions`` (the same seed, the same documents)."""
     rng = random.Random(seed)
-    return [DecisionRequest((Message("user", (Text(document(rng)),), plain=True, bare=True),), tuple(questions))
+    return [DecisionRequest((Message("user", (Text(document(rng)),)),), tuple(questions))
             for _ in range(count)]
