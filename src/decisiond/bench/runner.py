@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -48,7 +49,7 @@ class Row:
 # ---------------------------------------------------------------------------------------------- naive
 
 
-def naive_decide(model, tokenizer, request: DecisionRequest) -> list[list[float]]:
+def naive_decide(model: Any, tokenizer: Any, request: DecisionRequest) -> list[list[float]]:
     """The plain client-side way: per question, render the chat prompt, check each label is one token, run one
     full forward pass over the whole prompt, and softmax the labels' log-probs."""
     text = render_input(request.input)
@@ -71,13 +72,14 @@ def naive_decide(model, tokenizer, request: DecisionRequest) -> list[list[float]
     return out
 
 
-def side_by_side(name: str, requests: list[DecisionRequest], naive_count: int, naive, engine,
-                 block: int = 10, probe=None) -> tuple[Row, Row, list, list]:
+def side_by_side(name: str, requests: list[DecisionRequest], naive_count: int, naive: Callable[..., Any],
+                 engine: Callable[..., Any], block: int = 10,
+                 probe: Callable[[], Any] | None = None) -> tuple[Row, Row, list[Any], list[Any]]:
     """The naive loop and the in-process engine take turns, a block of tickets each, the same tickets, alternating
     which goes first: a slower minute of a shared machine slows both, and neither runs in the other's wake within a
     block. Each row's time is the sum of its request latencies. ``probe`` (the matmul rate) runs between blocks."""
     timings: dict[str, list[float]] = {"naive": [], "engine": []}
-    answers: dict[str, list] = {"naive": [], "engine": []}
+    answers: dict[str, list[Any]] = {"naive": [], "engine": []}
     for b, start in enumerate(range(0, len(requests), block)):
         chunk = requests[start:start + block]
         turn = [("naive", naive, chunk[: max(0, naive_count - start)]), ("engine", engine, chunk)]
@@ -106,13 +108,13 @@ IN_PROCESS = "decisiond in-process"
 NO_STORE = {"cache-control": "no-store"}
 
 
-async def _clients(url: str, bodies: list[dict], clients: int, probe_health: bool = False,
-                   headers: dict[str, str] = NO_STORE):
+async def _clients(url: str, bodies: list[dict[str, Any]], clients: int, probe_health: bool = False,
+                   headers: dict[str, str] = NO_STORE) -> tuple[Any, ...]:
     """Post ``bodies`` from ``clients`` concurrent clients; with ``probe_health``, also time ``GET /health`` every
     50 ms meanwhile (the event loop's responsiveness under load). Returns (seconds, latencies[, health])."""
     import httpx
 
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
     latencies: list[float] = []
@@ -176,7 +178,7 @@ def repeated(url: str, name: str, requests: list[DecisionRequest]) -> tuple[Row,
             Row(name, CACHE_HIT, len(requests), questions, math.fsum(latencies["HIT"]), latencies["HIT"]))
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     import socket
 
     import httpx
@@ -246,7 +248,8 @@ class MatmulRate:
         return max(self.rates)
 
 
-def flop_work(engine: LocalEngine, requests: list[DecisionRequest], asked_before: list[DecisionRequest] | None = None) -> dict:
+def flop_work(engine: LocalEngine, requests: list[DecisionRequest],
+              asked_before: list[DecisionRequest] | None = None) -> dict[str, Any]:
     """FLOPs the workload needs, computing each distinct token once: per request, the radix tree of its prompts
     without the template header (computed once for the run), or, for a document ``asked_before``, without the part
     it shares with that earlier request; logits at each answer."""
@@ -278,7 +281,7 @@ AGAIN = "2K doc, asked again"
 
 def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ...] = (3, 10),
         clients: tuple[int, ...] = (1, 4, 16), naive_tickets: int | None = None, dtype: str = "float32",
-        long_documents: int = 0, note: str = "", log=print) -> dict:
+        long_documents: int = 0, note: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
     from ..engine.model import load
 
     loaded = load(model, dtype=dtype)
@@ -289,14 +292,18 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
     rate = MatmulRate(config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),
                       loaded.model.dtype)
     on_worker(rate.probe)
-    naive = lambda r: on_worker(lambda: naive_decide(loaded.model, loaded.tokenizer, r))  # noqa: E731
+    def naive(r: DecisionRequest) -> list[list[float]]:
+        result: list[list[float]] = on_worker(lambda: naive_decide(loaded.model, loaded.tokenizer, r))
+        return result
+
     rows: list[Row] = []
-    bounds: dict[str, dict] = {}
+    bounds: dict[str, dict[str, Any]] = {}
     agreement: dict[str, float] = {}
     health: dict[str, float] = {}
     server_rss: float | None = None
 
-    def measure(name: str, requests: list[DecisionRequest], naive_count: int, call, block: int = 10) -> None:
+    def measure(name: str, requests: list[DecisionRequest], naive_count: int, call: Callable[..., Any],
+                block: int = 10) -> None:
         log(f"[{name}] naive loop ({naive_count} requests) and decisiond in-process ({len(requests)}), side by side …")
         naive_row, inproc_row, naive_answers, results = side_by_side(name, requests, naive_count, naive, call, block,
                                                                      probe=lambda: on_worker(rate.probe))
@@ -305,7 +312,7 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
                               for ans, probs in zip(res.answers, ref) for a, b in zip(ans.probabilities, probs))
 
     def over_http(name: str, requests: list[DecisionRequest], warm: list[DecisionRequest],
-                  phases: tuple[int, ...] = clients) -> None:
+                  phases: tuple[int, ...] = clients, repeat: list[DecisionRequest] | None = None) -> None:
         nonlocal server_rss
         process, url = start_server(model, ["--dtype", dtype])
         try:
@@ -317,8 +324,9 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
                 rows.append(Row(name, f"decisiond HTTP, {n} client{'s' if n > 1 else ''}", len(bodies),
                                 sum(len(r.questions) for r in requests), seconds, latencies))
                 health[f"{name}, {n} client{'s' if n > 1 else ''}"] = _percentile(probes, 0.99)
-            log(f"[{name}] repeated requests: cache miss then hit, ticket by ticket …")
-            rows += repeated(url, name, workload.requests(tickets, count, seed=1234))
+            if repeat:
+                log(f"[{name}] repeated requests: cache miss then hit, ticket by ticket …")
+                rows.extend(repeated(url, name, repeat))
             server_rss = max(server_rss or 0.0, peak_rss_mb(process.pid))
         finally:
             process.terminate()
@@ -333,7 +341,7 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
             naive(r)
             engine.decide(r)
         measure(name, requests, min(len(requests), naive_tickets or tickets), engine.decide)
-        over_http(name, requests, warm)
+        over_http(name, requests, warm, repeat=workload.requests(tickets, count, seed=1234))
 
     if long_documents:
         # Documents of about 2,000 tokens, 5 questions each.
@@ -372,13 +380,13 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
         "long_documents": long_documents,
         "note": note,
         "clients": list(clients),
-        "backend": {k: v for k, v in vars(engine.backend.stats).items()},
+        "backend": dict(vars(stats)) if (stats := getattr(engine.backend, "stats", None)) is not None else {},
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
     }
 
 
-def speedups(report: dict) -> dict[str, float]:
+def speedups(report: dict[str, Any]) -> dict[str, float]:
     """The issue's target ratios, computed from the rows of one run."""
     by = {(r.workload, r.mode): r for r in report["rows"]}
     out = {}
@@ -389,15 +397,18 @@ def speedups(report: dict) -> dict[str, float]:
         misses = [r for r in report["rows"] if r.workload == name and r.mode == CACHE_MISS]
         hits = [r for r in report["rows"] if r.workload == name and r.mode == CACHE_HIT]
         if misses and hits:
-            out[f"{name}: cache miss p50 / cache hit p50"] = misses[0].percentile(0.5) / hits[0].percentile(0.5)
+            out[f"{name}: cache miss p50 / cache hit p50"] = (misses[0].percentile(0.5)
+                                                              / hits[0].percentile(0.5))
         if len(http) >= 2:
-            out[f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"] = http[-1].qps / http[0].qps
+            key = f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"
+            out[key] = http[-1].qps / http[0].qps
     if (AGAIN, IN_PROCESS) in by:
-        out["2K doc asked again / its first ask (in-process)"] = by[(AGAIN, IN_PROCESS)].qps / by[(FIRST, IN_PROCESS)].qps
+        again, first = by[(AGAIN, IN_PROCESS)], by[(FIRST, IN_PROCESS)]
+        out["2K doc asked again / its first ask (in-process)"] = again.qps / first.qps
     return out
 
 
-def markdown(report: dict, command: str) -> str:
+def markdown(report: dict[str, Any], command: str) -> str:
     lines = [
         "# decisiond benchmark",
         "",
@@ -447,7 +458,7 @@ def markdown(report: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def to_json(report: dict) -> str:
+def to_json(report: dict[str, Any]) -> str:
     data = {k: v for k, v in report.items() if k != "rows"}
     data["rows"] = [{**asdict(r), "qps": r.qps, "p50": r.percentile(0.5), "p95": r.percentile(0.95)}
                     for r in report["rows"]]

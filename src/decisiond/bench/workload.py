@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import Any
 
 from ..canonical import DecisionRequest, Level, Message, Option, Question, Text
 
@@ -68,15 +70,15 @@ def ticket(rng: random.Random) -> str:
     return " ".join(parts)
 
 
-def _choice(name, text, options):
+def _choice(name: str, text: str, options: list[tuple[str, str | None]]) -> Question:
     return Question("choice", name, (Text(text),), options=tuple(Option(n, d) for n, d in options))
 
 
-def _score(name, text, levels):
+def _score(name: str, text: str, levels: list[str]) -> Question:
     return Question("score", name, (Text(text),), levels=tuple(Level(x) for x in levels))
 
 
-def _yes_no(name, text):
+def _yes_no(name: str, text: str) -> Question:
     return Question("yes_no", name, (Text(text),))
 
 
@@ -88,8 +90,8 @@ URGENT = _yes_no("urgent", "The customer needs an answer today.")
 
 EXTRA = [
     _choice("product", "Which part of the product is affected?", [
-        ("dashboard", "Web dashboard and reports"), ("mobile", "Mobile apps"), ("integrations", "Third-party integrations"),
-        ("billing", "Billing and payments")]),
+        ("dashboard", "Web dashboard and reports"), ("mobile", "Mobile apps"),
+        ("integrations", "Third-party integrations"), ("billing", "Billing and payments")]),
     _choice("plan", "Which plan is the customer on?", [("free", None), ("pro", None), ("business", None),
                                                         ("enterprise", None)]),
     _score("urgency", "How urgent is the ticket?", ["Can wait", "This month", "This week", "Today"]),
@@ -109,7 +111,7 @@ def requests(count: int = 200, questions: int = 3, seed: int = 7) -> list[Decisi
             for _ in range(count)]
 
 
-def openai_body(request: DecisionRequest, model: str) -> dict:
+def openai_body(request: DecisionRequest, model: str) -> dict[str, Any]:
     """The same request in OpenAI's wire shape, for the HTTP clients."""
     from ..dialects.openai import render_request
 
@@ -128,7 +130,7 @@ def document(rng: random.Random, tickets: int = 13) -> str:
     return "\n\n".join(f"Message {i + 1}:\n{ticket(rng)}" for i in range(tickets))
 
 
-def long_requests(count: int, questions=LONG_QUESTIONS, seed: int = 11) -> list[DecisionRequest]:
+def long_requests(count: int, questions: Sequence[Question] = LONG_QUESTIONS, seed: int = 11) -> list[DecisionRequest]:
     """``count`` documents of about 2,000 tokens, each asked ``questions`` (the same seed, the same documents)."""
     rng = random.Random(seed)
     return [DecisionRequest((Message("user", (Text(document(rng)),)),), tuple(questions))
