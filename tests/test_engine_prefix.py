@@ -4,13 +4,12 @@ reused across requests from the prefix cache, with the probabilities of one plai
 from __future__ import annotations
 
 import pytest
+from conftest import tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Message, Option, Question, ScoreRequest, Text
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.packing import common_prefix, pack
 from decisiond.probability import label_probabilities
-
-from conftest import tiny_loaded
 
 BUDGET = 512
 

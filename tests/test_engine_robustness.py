@@ -4,21 +4,19 @@ with client-chosen keys."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import math
 import threading
 
 import pytest
 import torch
+from conftest import tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Message, Option, Question, ScoreRequest, Text
-from decisiond.engine.backend import Group, Scored
+from decisiond.engine.backend import Scored
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.prompt import TEMPLATE_KWARGS_ENTRIES
 from decisiond.engine.scheduler import Scheduler
 from decisiond.errors import DecisionError
-
-from conftest import tiny_loaded
 
 TEAM = Question("choice", "team", (Text("Which team?"),), options=(Option("billing"), Option("technical")))
 

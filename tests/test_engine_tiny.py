@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Image, Level, Message, Option, Question, Text
 from decisiond.engine.local import LocalEngine
 from decisiond.errors import DecisionError
-
-from conftest import tiny_loaded
 
 
 def request(*questions, temperature=None, text="The integration keeps failing.", **kw):

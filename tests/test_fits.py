@@ -14,8 +14,17 @@ import pytest
 
 from decisiond import evaluation
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
-from decisiond.engine.calibration import Fit, Profile, ProfileError, Sample, VariantEvidence, combine, fit, folds, \
-    regularised_fit
+from decisiond.engine.calibration import (
+    Fit,
+    Profile,
+    ProfileError,
+    Sample,
+    VariantEvidence,
+    combine,
+    fit,
+    folds,
+    regularised_fit,
+)
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.prompt import PROMPT_FORMAT_VERSION
 from decisiond.probability import label_probabilities

@@ -13,10 +13,10 @@ import zlib
 import httpx
 import openai
 import pytest
-from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeBadRequestError, TypeSafeClient
-
 import upstreams
 from servers import start_decisiond
+from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeBadRequestError, TypeSafeClient
+
 
 def png_data_url() -> str:
     def chunk(kind: bytes, data: bytes) -> bytes:

@@ -25,6 +25,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .. import probability
 
@@ -137,7 +138,7 @@ class _Batch:
             setattr(part, name, getattr(self, name)[index])
         return part
 
-    def nll(self, log_t, bias):
+    def nll(self, log_t: Any, bias: Any) -> Any:
         """Per-sample negative log-probability of the gold option under ``softmax((z + bias) / exp(log_t))``,
         averaged over variants as ``combine`` does (probabilities clamped at 1e-12, as the metrics do)."""
         import torch
@@ -155,13 +156,13 @@ def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100
     params = [log_t] + ([bias] if with_bias else [])
     optimiser = torch.optim.LBFGS(params, lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
 
-    def loss_fn():
+    def loss_fn() -> Any:
         optimiser.zero_grad()
         loss = batch.nll(log_t, bias).mean() + strength * (log_t ** 2 + (bias ** 2).sum())
         loss.backward()
         return loss
 
-    optimiser.step(loss_fn)
+    optimiser.step(loss_fn)  # type: ignore[no-untyped-call]  # torch leaves LBFGS.step untyped
     t = float(log_t.detach().exp())
     if not math.isfinite(t) or t <= 0:
         t = 1.0
@@ -252,7 +253,7 @@ class Profile:
     order: str = "given"
     calibrate: str = "none"
     fits: dict[str, Fit] = field(default_factory=dict)
-    data: dict = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     def check(self, model: str, prompt_format_version: int) -> None:
         """Refuse a profile fitted for another model or prompt format version: its corrections would be wrong."""

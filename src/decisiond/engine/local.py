@@ -22,11 +22,12 @@ from ..canonical import (
     Usage,
 )
 from ..errors import invalid, refused
+from ..rules import check_temperature
 from ..text import render_input
-from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
 from .backend import Backend, Scored
 from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS, TransformersBackend
 from .caches import Lru
+from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
 from .model import LoadedModel
 from .prompt import (
     MAX_SINGLE_LETTER,
@@ -131,9 +132,7 @@ class LocalEngine:
                 f"version {PROMPT_FORMAT_VERSION}",
                 "prompt_format_version",
             )
-        temperature = request.temperature
-        if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-            raise invalid("temperature must be a finite number above 0", "temperature")
+        check_temperature(request.temperature)
         for name in request.extra:
             raise invalid(f"Unknown parameter: '{name}'. The local engine does not read it.", name,
                           code="unknown_parameter")
@@ -200,7 +199,8 @@ class LocalEngine:
         prepared = self.prepare(request, order, calibrate)
         return (prepared, *self._submit(prepared))
 
-    def _evidence(self, prepared: Prepared, pending: list[str], logprobs: list[list[float]]) -> list[list[VariantEvidence]]:
+    def _evidence(self, prepared: Prepared, pending: list[str],
+                  logprobs: list[list[float]]) -> list[list[VariantEvidence]]:
         count = sum(len(q.variants) for q in prepared.questions)
         scored = dict(zip(pending, logprobs[count:]))
         for key, lps in scored.items():
@@ -277,7 +277,8 @@ class LocalEngine:
         prompts = self._score_prompts(request)
         return prompts, self.scheduler.submit(prompts, request.label_token_ids)
 
-    def _score_result(self, request: ScoreRequest, prompts: list[list[int]], logprobs: list[list[float]]) -> ScoreResult:
+    def _score_result(self, request: ScoreRequest, prompts: list[list[int]],
+                      logprobs: list[list[float]]) -> ScoreResult:
         if request.apply_softmax:
             scores = [probability.label_probabilities(lps, request.temperature) for lps in logprobs]
         else:

@@ -62,7 +62,7 @@ def default_gguf() -> Path:
         ) from e
     for file in dist.files or ():
         if str(file).endswith(".gguf"):
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
     raise ModelNotFound(f"no .gguf file found in the installed {DEFAULT_DISTRIBUTION} distribution")
@@ -88,7 +88,7 @@ def converted_gguf(gguf: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are de-quantized now; the saved folder is a plain float checkpoint.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types the attribute loosely
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -145,18 +145,20 @@ def load(spec: str | None = None, dtype: str = "float32", device: str | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     source, name = resolve(spec)
     device = pick_device(device)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if device == "cpu":
         check_cpu_dtype(dtype)
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores))
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' to() accepts a device string
     config = model.config
-    context = getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
+    context: int = int(getattr(config, "max_position_embeddings", None)
+                       or getattr(tokenizer, "model_max_length", None) or 2048)
     tokenizer_limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(tokenizer_limit, int) and tokenizer_limit < 10**9:
         context = min(context, tokenizer_limit)

@@ -96,7 +96,8 @@ def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return k
 
 
-def split_rows(prompts: Sequence[Sequence[int]], max_row_tokens: int, skip: int = 0) -> list[tuple[list[int], PackedRow]]:
+def split_rows(prompts: Sequence[Sequence[int]], max_row_tokens: int,
+               skip: int = 0) -> list[tuple[list[int], PackedRow]]:
     """Pack prompts into rows of at most about ``max_row_tokens`` tokens (a single longer prompt gets a row of its
     own). Rows are cut by an upper bound of their packed size — the prefix all prompts share, plus each prompt's
     rest — so each row is packed once. Returns ``(prompt indices, row)`` pairs."""

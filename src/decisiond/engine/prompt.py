@@ -30,7 +30,8 @@ PROMPT_FORMAT_VERSION = 1
 # Chat template kwargs that switch a model's reasoning on; decisions keep them off.
 THINKING_TOGGLES = ("enable_thinking", "thinking")
 # Reasoning block markers that templates and tokenizers use.
-REASONING_MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<|begin_of_thought|>", "<|end_of_thought|>"))
+REASONING_MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"),
+                     ("<|begin_of_thought|>", "<|end_of_thought|>"))
 # Answer text of a finished reply, rendered only to see what a template puts before an answer.
 _REPLY_SENTINEL = "DECISION_ANSWER_SENTINEL"
 # Distinct chat_template_kwargs whose template checks are remembered (clients choose them: the caches are bounded).
@@ -169,7 +170,7 @@ class ChatPrompter:
         except DecisionError:
             return False  # a template that refuses the probe is reported per request instead
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != text
+        return bool(self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != text)
 
     @staticmethod
     def _find_toggle(template: str | None) -> str | None:
@@ -184,12 +185,14 @@ class ChatPrompter:
             names = {n for n in THINKING_TOGGLES if n in template}
         return next((n for n in THINKING_TOGGLES if n in names), None)
 
-    def template_kwargs(self, request_kwargs: dict[str, Any], source: tuple = ("chat_template_kwargs",)) -> dict[str, Any]:
+    def template_kwargs(self, request_kwargs: dict[str, Any],
+                        source: tuple[str | int, ...] = ("chat_template_kwargs",)) -> dict[str, Any]:
         """Thinking off, then the request's kwargs; a request that turns thinking on is refused."""
         for name in THINKING_TOGGLES:
             if name in request_kwargs and request_kwargs[name] is not False:
                 raise refused(
-                    f"chat_template_kwargs sets {name!r} to {request_kwargs[name]!r}, but decisions need it false or unset",
+                    f"chat_template_kwargs sets {name!r} to {request_kwargs[name]!r}, but decisions need it false or "
+                    "unset",
                     *source,
                     name,
                 )
@@ -217,9 +220,10 @@ class ChatPrompter:
         if self.template is None:
             raise refused("the model has no chat template, which decisions need", code="unsupported_model")
         try:
-            return self.tokenizer.apply_chat_template(
+            rendered: str = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation, **kwargs
             )
+            return rendered
         except Exception as e:  # jinja2 TemplateError, raise_exception() in templates, bad kwargs
             raise refused(f"the chat template failed: {e}", code="chat_template_error") from e
 
@@ -234,6 +238,7 @@ class ChatPrompter:
         return prompt
 
     def _check_reasoning(self, content: str, prompt: str, kwargs: dict[str, Any]) -> None:
+        assert self.markers is not None  # render() checks reasoning only for templates with markers
         start, end = self.markers
         closing = content.rsplit("\n", 1)[-1]
         cut = prompt.rfind(closing)
@@ -248,7 +253,8 @@ class ChatPrompter:
         def make() -> bool:
             try:
                 reply = self._apply(
-                    [{"role": "user", "content": closing}, {"role": "assistant", "content": _REPLY_SENTINEL}], kwargs, False
+                    [{"role": "user", "content": closing}, {"role": "assistant", "content": _REPLY_SENTINEL}], kwargs,
+                    False,
                 )
             except DecisionError:
                 reply = ""
@@ -279,7 +285,8 @@ class ChatPrompter:
                 ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=as_text)
         return ids
 
-    def encode(self, content: str, labels: Sequence[str], kwargs: dict[str, Any], source: tuple = ()) -> EncodedPrompt:
+    def encode(self, content: str, labels: Sequence[str], kwargs: dict[str, Any],
+               source: tuple[str | int, ...] = ()) -> EncodedPrompt:
         prompt = self.render(content, kwargs)
         ids = self.tokenize(prompt, content)
         if len(ids) >= self.context_length:
@@ -339,7 +346,8 @@ class ChatPrompter:
             code="limit_exceeded",
         )
 
-    def label_ids(self, prompt: str, ids: list[int], labels: Sequence[str], source: tuple = ()) -> list[int]:
+    def label_ids(self, prompt: str, ids: list[int], labels: Sequence[str],
+                  source: tuple[str | int, ...] = ()) -> list[int]:
         """Each label must add exactly one token, distinct from the others', right after the prompt."""
         text, text_ids = self._label_context(prompt, ids)
         found: list[int] = []

@@ -18,6 +18,7 @@ forward passes each bring their own math thread pool, and the pools slow each ot
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -41,7 +42,7 @@ class Job:
     group: Group
     # An upper bound of the tokens the job computes: its shared prefix once, plus each prompt's rest.
     size: int
-    future: Future = field(default_factory=Future)  # -> Scored
+    future: Future[Any] = field(default_factory=Future)  # -> Scored
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Call:
     """Other model work, run on the worker between batches."""
 
     fn: Callable[[], Any]
-    future: Future = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)
 
 
 @dataclass
@@ -78,9 +79,9 @@ class Scheduler:
 
     def submit(self, prompts: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> Job:
         """Queue one request's prompts; ``job.future`` yields a ``Scored`` (label log-probs in prompt order)."""
-        prompts = [list(p) for p in prompts]
-        shared = len(os.path.commonprefix(prompts)) if prompts else 0
-        job = Job(Group(prompts, [list(x) for x in labels]), shared + sum(len(p) - shared for p in prompts))
+        rows = [list(p) for p in prompts]
+        shared = len(os.path.commonprefix(rows)) if rows else 0
+        job = Job(Group(rows, [list(x) for x in labels]), shared + sum(len(p) - shared for p in rows))
         self._put(job)
         return job
 
@@ -145,7 +146,7 @@ class Scheduler:
             self.stats.jobs += len(item)
             self.stats.prompt_tokens += sum(len(p) for job in item for p in job.group.prompts)
             for job, result in zip(item, scored):
-                _deliver(job.future, lambda result=result: _checked(result))
+                _deliver(job.future, functools.partial(_checked, result))
 
 
 def _checked(scored: Scored) -> Scored:
@@ -153,7 +154,7 @@ def _checked(scored: Scored) -> Scored:
     return scored
 
 
-def _deliver(future: Future, fn: Callable[[], Any]) -> None:
+def _deliver(future: Future[Any], fn: Callable[[], Any]) -> None:
     """The value of ``fn()``, or its error, to a running future (which can no longer be cancelled)."""
     try:
         value = fn()

@@ -38,9 +38,9 @@ from pydantic import (
     model_validator,
 )
 
+from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
 from .guardrails import GuardrailConfig
 from .pricing import Pricing, check_pricing
-from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
 
 __all__ = [
     "AuditConfig",

@@ -231,13 +231,14 @@ class TransformersBackend:
         """Each row's past, padded at its end to ``past_len`` (the mask hides the padding)."""
         if len(batch) == 1:
             return _truncate(batch[0].past, past_len)
-        template = next(w.past for w in batch if w.past_len)
+        template = next(w.past for w in batch if w.past_len and w.past is not None)
+        assert template is not None
         out = []
         for layer, (k0, v0) in enumerate(template):
             keys = k0.new_zeros(len(batch), k0.shape[1], past_len, k0.shape[3])
             values = v0.new_zeros(len(batch), v0.shape[1], past_len, v0.shape[3])
             for r, work in enumerate(batch):
-                if work.past_len:
+                if work.past_len and work.past is not None:
                     keys[r, :, :work.past_len] = work.past[layer][0][0, :, :work.past_len]
                     values[r, :, :work.past_len] = work.past[layer][1][0, :, :work.past_len]
             out.append((keys, values))
