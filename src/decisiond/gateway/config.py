@@ -115,9 +115,12 @@ class RateLimitConfig(BaseModel):
     requests_per_day: int | None = Field(default=None, ge=1)
     input_tokens_per_minute: int | None = Field(default=None, ge=1)
     concurrent: int | None = Field(default=None, ge=1)
+    # Any other window: requests_per_window requests per window_seconds.
+    requests_per_window: int | None = Field(default=None, ge=1)
+    window_seconds: int = Field(default=60, ge=1, le=86400)
 
     def empty(self) -> bool:
-        return all(v is None for v in self.model_dump().values())
+        return all(v is None for k, v in self.model_dump().items() if k != "window_seconds")
 
 
 class ProviderConfig(BaseModel):

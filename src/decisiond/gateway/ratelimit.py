@@ -84,6 +84,9 @@ def _checks(scopes: list[Scope]) -> list[_Check]:
             amount = getattr(scope.config, setting)
             if amount is not None:
                 out.append(_Check(scope, setting, window(amount)))
+        if scope.config.requests_per_window is not None:
+            out.append(_Check(scope, "requests_per_window",
+                              RateLimitItemPerSecond(scope.config.requests_per_window, scope.config.window_seconds)))
         if scope.config.input_tokens_per_minute is not None:
             out.append(_Check(scope, "input_tokens_per_minute",
                               RateLimitItemPerMinute(scope.config.input_tokens_per_minute)))
