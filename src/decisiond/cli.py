@@ -14,6 +14,7 @@ from . import __version__, logs
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
+    from . import library
     from .engine.calibration import Profile
     from .engine.local import LocalEngine
     from .gateway.config import GatewayConfig
@@ -184,6 +185,44 @@ def cmd_decide(args: argparse.Namespace) -> int:
     json.dump(out, sys.stdout, indent=2 if args.pretty else None, ensure_ascii=False)
     sys.stdout.write("\n")
     return code
+
+
+def _decider(args: argparse.Namespace) -> library.Engine | library.Client:
+    """``--url``: a remote decisiond (``--model`` names the model there); otherwise the model loaded here."""
+    import os
+
+    from . import library
+
+    if getattr(args, "url", None):
+        key = args.api_key or os.environ.get("DECISIOND_API_KEY")
+        return library.Client(args.url, key, model=args.model)
+    return library.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name,
+                        order=args.order, calibrate=args.calibrate, calibration=args.calibration)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Answer a JSON Lines file; resumable (see ``decisiond.batch``)."""
+    from pathlib import Path
+
+    from . import batch
+
+    questions = None
+    if args.questions:
+        questions = json.loads(Path(args.questions).read_text())
+        if isinstance(questions, dict):
+            questions = questions.get("questions")
+        if not isinstance(questions, list):
+            print("decisiond: --questions must hold a JSON list of questions (or {\"questions\": [...]})",
+                  file=sys.stderr)
+            return 2
+    decider = _decider(args)
+    try:
+        summary = batch.run(decider, Path(args.file), Path(args.out), questions, concurrency=args.concurrency,
+                            progress=not args.no_progress)
+    finally:
+        decider.close()
+    print(f"decisiond batch: {summary}; wrote {args.out}", file=sys.stderr)
+    return 0 if summary.errors == 0 else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -403,6 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("--pretty", action="store_true", help="indent the JSON output")
     _add_quality_args(decide)
     decide.set_defaults(func=cmd_decide)
+
+    batch = sub.add_parser("batch", help="answer a JSON Lines file of requests or inputs; resumable")
+    _add_model_args(batch)
+    _add_quality_args(batch)
+    batch.add_argument("file", help="JSON Lines: one request (with questions) or one input per line")
+    batch.add_argument("--out", required=True, help="answers, JSON Lines; lines already answered there are skipped")
+    batch.add_argument("--questions", default=None, help="JSON list of questions for lines that are inputs")
+    batch.add_argument("--url", default=None, help="a running decisiond to ask instead of loading --model here")
+    batch.add_argument("--api-key", default=None, help="key for --url (default: $DECISIOND_API_KEY)")
+    batch.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    batch.set_defaults(func=cmd_batch)
 
     evaluate = sub.add_parser("eval", help="measure the quality of the probabilities on labeled data, per mode")
     _add_labeled_args(evaluate)

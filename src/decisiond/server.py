@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,6 +34,7 @@ from .gateway.router import Router
 from .gateway.service import Gateway
 from .gateway.usage import UsageRecord, redact
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from .transport import read_payload
 
 __all__ = ["ROUTES", "DecisionRoute", "RequestContext", "Settings", "create_app", "serve"]
@@ -275,6 +276,8 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.state.router = router
     app.state.gateway = gateway
     app.state.settings = settings or Settings()
+    app.state.metrics = metrics = Metrics(router)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
     app.add_middleware(RequestContext)
 
     components: dict[str, Any] = {}
@@ -315,6 +318,17 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "models": [m.name for m in router.model_list()], "version": __version__}
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        """Prometheus text; the master key when keys are configured (it shows every caller's traffic)."""
+        try:
+            caller = await _caller(request)
+            if gateway.auth.enabled:
+                gateway.auth.require_master(caller)
+        except DecisionError as error:
+            return _error_response(openai_dialect.render_error(error), error.headers)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(admin.router)
     app.include_router(chat.router)

@@ -33,7 +33,7 @@ from .providers.base import Provider
 from .providers.local import LocalProvider
 from .providers.openai import OpenAIProvider
 
-__all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Router", "Target"]
+__all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Observer", "Router", "Target"]
 
 log = logging.getLogger("decisiond.gateway")
 
@@ -47,6 +47,16 @@ Gate = Callable[["Target"], AsyncContextManager[Any]]
 
 def _open_gate(target: "Target") -> AsyncContextManager[Any]:
     return contextlib.nullcontext()
+
+
+class Observer:
+    """Told about each attempt on a target (``decisiond.metrics.Metrics`` counts them); does nothing itself."""
+
+    def attempt(self, target: "Target") -> float:
+        return 0.0
+
+    def attempt_done(self, target: "Target", started: float, error: UpstreamError | None = None) -> None:
+        return None
 
 
 @dataclass
@@ -123,6 +133,7 @@ class Router:
         self.default_model = default_model
         self.deadline = deadline
         self.started = int(time.time())
+        self.observer = Observer()
         for v in self.virtual.values():  # known at start-up: e.g. local/<typo> names no model of its provider
             for name in v.targets:
                 if name not in self.virtual and self._target(name) is None:
@@ -231,13 +242,16 @@ class Router:
             timeout = None if target.provider.format == "local" else min(remaining, (
                 virtual.attempt_timeout if virtual is not None and virtual.attempt_timeout is not None
                 else target.provider.config.timeout))
+            started = self.observer.attempt(target)
             try:
                 async with gate(target) as admission:
                     result = await _within(target.provider.decide(request, target.upstream), timeout, target)
                     if admission is not None:
                         await admission.settle(result.usage.input_tokens)
                 check_result(request, result, target.provider.name)
+                self.observer.attempt_done(target, started)
             except UpstreamError as error:
+                self.observer.attempt_done(target, started, error)
                 log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
                                                      "failover": error.failover, "reason": error.message})
                 if not error.failover:

@@ -1,0 +1,174 @@
+"""Prometheus metrics at ``GET /metrics`` (``prometheus-client``), one registry per app.
+
+- requests by route, dialect, model (the resolved one: bounded) and status, with latency histograms, questions,
+  input tokens and refusals by error code (rate-limit refusals are ``code="rate_limit_exceeded"``): read by a
+  pure-ASGI middleware from the access-log fields the server already fills;
+- upstream attempts, failovers, errors (by provider and code) and attempt latency: ``Metrics`` is the router's
+  ``observer``;
+- each local engine's queue depth, batches (forward passes), jobs, rows, and tokens requested vs computed (the
+  prefix-sharing ratio) and padded: read from the scheduler at scrape time, so the engine carries no hook.
+
+Grafana: ``docs/grafana-dashboard.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import UpstreamError
+from .gateway.router import Observer, Router, Target
+
+__all__ = ["CONTENT_TYPE", "EngineCollector", "Metrics", "MetricsMiddleware", "route_label"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Seconds: a tiny model answers in milliseconds, a CPU batch or an upstream in seconds.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Routes named as they are; anything else is "other" (a scanner's paths must not grow the label set).
+ROUTES = ("/v1/decisions", "/v1/systemone", "/v1/score", "/v1/models", "/health", "/metrics", "/", "/playground")
+PREFIXES = ("/admin", "/mcp", "/static")
+
+
+def route_label(path: str) -> str:
+    if path in ROUTES:
+        return path
+    for prefix in PREFIXES:
+        if path == prefix or path.startswith(prefix + "/"):
+            return prefix
+    return "other"
+
+
+class EngineCollector(Collector):
+    """The local engines' scheduler counters, read when Prometheus scrapes (nothing is added to the engine)."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    def _engines(self) -> dict[str, Any]:
+        from .gateway.providers.local import LocalProvider
+
+        return {p.engine.name: p.engine for p in self.router.providers.values() if isinstance(p, LocalProvider)}
+
+    def collect(self) -> Iterable[Metric]:
+        depth = GaugeMetricFamily("decisiond_engine_queue_depth", "Jobs waiting for the model's worker",
+                                  labels=["model"])
+        counters = {
+            "passes": CounterMetricFamily("decisiond_engine_batches", "Batched forward passes", labels=["model"]),
+            "jobs": CounterMetricFamily("decisiond_engine_batched_jobs",
+                                        "Requests served by those passes (÷ batches = mean batch size)",
+                                        labels=["model"]),
+            "rows": CounterMetricFamily("decisiond_engine_rows", "Packed rows computed", labels=["model"]),
+            "prompt_tokens": CounterMetricFamily("decisiond_engine_tokens_requested",
+                                                 "Prompt tokens the requests asked for", labels=["model"]),
+            "packed_tokens": CounterMetricFamily("decisiond_engine_tokens_computed",
+                                                 "Tokens actually computed after prefix sharing and the prefix cache",
+                                                 labels=["model"]),
+            "padded_tokens": CounterMetricFamily("decisiond_engine_tokens_padded",
+                                                 "Tokens of the padded batches", labels=["model"]),
+        }
+        for name, engine in self._engines().items():
+            scheduler = getattr(engine, "scheduler", None)
+            pending = getattr(scheduler, "_queue", None)
+            if pending is not None and hasattr(pending, "qsize"):
+                depth.add_metric([name], float(pending.qsize()))
+            stats = getattr(scheduler, "stats", None)
+            for field, family in counters.items():
+                value = getattr(stats, field, None)
+                if isinstance(value, (int, float)):
+                    family.add_metric([name], float(value))
+        yield depth
+        yield from counters.values()
+
+
+class Metrics(Observer):
+    """The app's registry and instruments; also the router's observer (``Router.observer``)."""
+
+    def __init__(self, router: Router):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("decisiond_requests", "HTTP requests", ["route", "dialect", "model", "status"],
+                                registry=r)
+        self.latency = Histogram("decisiond_request_duration_seconds", "Time to the response, by route",
+                                 ["route", "dialect", "model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.questions = Counter("decisiond_questions", "Questions answered or asked", ["route", "model"],
+                                 registry=r)
+        self.input_tokens = Counter("decisiond_input_tokens", "Input tokens billed to callers", ["model"],
+                                    registry=r)
+        self.refusals = Counter("decisiond_refusals", "Requests refused, by error code (rate limits included)",
+                                ["route", "code", "status"], registry=r)
+        self.attempts = Counter("decisiond_upstream_attempts", "Attempts on a target", ["provider", "model"],
+                                registry=r)
+        self.failovers = Counter("decisiond_upstream_failovers",
+                                 "Failed attempts of an unavailable upstream (a chain hands them to its next target)",
+                                 ["provider"], registry=r)
+        self.upstream_errors = Counter("decisiond_upstream_errors", "Failed attempts, by provider and error code",
+                                       ["provider", "code"], registry=r)
+        self.upstream_latency = Histogram("decisiond_upstream_attempt_seconds", "Duration of each attempt",
+                                          ["provider"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(EngineCollector(router))
+        router.observer = self
+
+    # ---- the router's observer
+
+    def attempt(self, target: Target) -> float:
+        self.attempts.labels(target.provider.name, target.name).inc()
+        return time.perf_counter()
+
+    def attempt_done(self, target: Target, started: float, error: UpstreamError | None = None) -> None:
+        self.upstream_latency.labels(target.provider.name).observe(time.perf_counter() - started)
+        if error is not None:
+            self.upstream_errors.labels(target.provider.name, error.code).inc()
+            if error.failover:
+                self.failovers.labels(target.provider.name).inc()
+
+    # ---- requests
+
+    def observe(self, path: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
+        route = route_label(path)
+        dialect = str(fields.get("dialect") or "")
+        model = str(fields.get("resolved_model") or "")
+        self.requests.labels(route, dialect, model, str(status)).inc()
+        self.latency.labels(route, dialect, model).observe(seconds)
+        if isinstance(fields.get("questions"), int):
+            self.questions.labels(route, model).inc(fields["questions"])
+        if isinstance(fields.get("input_tokens"), int) and fields["input_tokens"] > 0:
+            self.input_tokens.labels(model).inc(fields["input_tokens"])
+        if status >= 400 and fields.get("error_code"):
+            self.refusals.labels(route, str(fields["error_code"]), str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI, inside ``RequestContext``: counts each HTTP request once its response has started, with the
+    access-log fields (``scope["state"]["log"]``) the route filled in."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            fields = scope.get("state", {}).get("log") or {}
+            self.metrics.observe(scope["path"], status, time.perf_counter() - start, fields)
