@@ -58,28 +58,35 @@ class EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("decisiond_engine_queue_depth", "Jobs waiting for the model's worker",
                                   labels=["model"])
+        # (where the counter lives: the scheduler's or the backend's stats, its field) → the metric
         counters = {
-            "passes": CounterMetricFamily("decisiond_engine_batches", "Batched forward passes", labels=["model"]),
-            "jobs": CounterMetricFamily("decisiond_engine_batched_jobs",
-                                        "Requests served by those passes (÷ batches = mean batch size)",
-                                        labels=["model"]),
-            "rows": CounterMetricFamily("decisiond_engine_rows", "Packed rows computed", labels=["model"]),
-            "prompt_tokens": CounterMetricFamily("decisiond_engine_tokens_requested",
-                                                 "Prompt tokens the requests asked for", labels=["model"]),
-            "packed_tokens": CounterMetricFamily("decisiond_engine_tokens_computed",
-                                                 "Tokens actually computed after prefix sharing and the prefix cache",
-                                                 labels=["model"]),
-            "padded_tokens": CounterMetricFamily("decisiond_engine_tokens_padded",
-                                                 "Tokens of the padded batches", labels=["model"]),
+            ("scheduler", "batches"): CounterMetricFamily("decisiond_engine_batches", "Batches handed to the backend",
+                                                          labels=["model"]),
+            ("scheduler", "jobs"): CounterMetricFamily(
+                "decisiond_engine_batched_jobs", "Requests served by those batches (÷ batches = mean batch size)",
+                labels=["model"]),
+            ("backend", "passes"): CounterMetricFamily("decisiond_engine_passes", "Forward passes of the model",
+                                                       labels=["model"]),
+            ("scheduler", "prompt_tokens"): CounterMetricFamily(
+                "decisiond_engine_tokens_requested", "Prompt tokens the requests asked for", labels=["model"]),
+            ("backend", "computed_tokens"): CounterMetricFamily(
+                "decisiond_engine_tokens_computed",
+                "Tokens actually computed after prefix sharing and the prefix cache", labels=["model"]),
+            ("backend", "reused_tokens"): CounterMetricFamily(
+                "decisiond_engine_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache",
+                labels=["model"]),
+            ("backend", "padded_tokens"): CounterMetricFamily("decisiond_engine_tokens_padded",
+                                                              "Tokens of the padded batches", labels=["model"]),
         }
         for name, engine in self._engines().items():
             scheduler = getattr(engine, "scheduler", None)
             pending = getattr(scheduler, "_queue", None)
             if pending is not None and hasattr(pending, "qsize"):
                 depth.add_metric([name], float(pending.qsize()))
-            stats = getattr(scheduler, "stats", None)
-            for field, family in counters.items():
-                value = getattr(stats, field, None)
+            sources = {"scheduler": getattr(scheduler, "stats", None),
+                       "backend": getattr(getattr(engine, "backend", None), "stats", None)}
+            for (source, field), family in counters.items():
+                value = getattr(sources[source], field, None)
                 if isinstance(value, (int, float)):
                     family.add_metric([name], float(value))
         yield depth
