@@ -105,7 +105,7 @@ async def create_key(request: Request) -> JSONResponse:
         return _error(error)
     record, key = await store.create(
         body.name, body.user_path, body.models,
-        body.rate_limits.model_dump(exclude_none=True) if body.rate_limits is not None else None, body.expiry())
+        body.rate_limits.model_dump(exclude_defaults=True) if body.rate_limits is not None else None, body.expiry())
     return JSONResponse({**record.public(), "key": key}, status_code=201)
 
 

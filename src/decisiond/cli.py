@@ -330,7 +330,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 record, key = await store.create(
                     args.name, check_user_path(args.user_path),
                     [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
-                    limits.model_dump(exclude_none=True) or None, expires)
+                    limits.model_dump(exclude_defaults=True) or None, expires)
                 print(json.dumps({**record.public(), "key": key}, indent=2))
                 print("The key is shown once; store it now.", file=sys.stderr)
             elif args.action == "list":
