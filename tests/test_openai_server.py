@@ -116,7 +116,9 @@ def test_temperature_extension_sharpens(openai_client):
     base = openai_client.decisions.create(**kw).answers[0]
     cold = openai_client.decisions.create(**kw, extra_body={"temperature": 0.25}).answers[0]
     assert max(p.probability for p in cold.probabilities) > max(p.probability for p in base.probabilities)
-    assert cold.label_mass == pytest.approx(base.label_mass, rel=1e-9)
+    # Temperature never changes the label mass; the two answers may come from different batches or a reused
+    # prefix KV cache, which agree to fp32 rounding (as packed and one-pass scoring do, to 1e-4).
+    assert cold.label_mass == pytest.approx(base.label_mass, rel=1e-4)
 
 
 def test_predicate_probability_is_yes_share(openai_client):
