@@ -13,10 +13,11 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import __version__, admin
+from . import __version__, admin, mcp_server
 from .canonical import ScoreResult
 from .dialects import detect
 from .dialects import openai as openai_dialect
@@ -187,12 +188,15 @@ def _endpoint(route: DecisionRoute) -> Callable[[Request], Any]:
 
 def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
     gateway = gateway or Gateway(router)
+    mcp = mcp_server.build(gateway)
+    mcp_endpoint = mcp_server.http_endpoint(mcp, gateway)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         try:
-            yield
+            async with mcp.session_manager.run():
+                yield
         finally:
             await gateway.aclose()  # upstream connection pools, Redis, the database
 
@@ -242,4 +246,5 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(admin.router)
+    app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["GET", "POST", "DELETE"]))
     return app
