@@ -73,9 +73,10 @@ def test_stdio(tiny_dir, tiny_server):
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tiny_dir):
+def keyed_server(tiny_dir, tmp_path_factory):
+    database = tmp_path_factory.mktemp("keys") / "keys.db"  # its own key store: not the user's default file
     running = start_decisiond("--model", tiny_dir, "--served-model-name", "tiny-keyed",
-                              env={"DECISIOND_MASTER_KEY": MASTER})
+                              env={"DECISIOND_MASTER_KEY": MASTER, "DECISIOND_DATABASE_URL": f"sqlite:///{database}"})
     yield running
     running.stop()
 

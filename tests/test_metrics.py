@@ -30,7 +30,8 @@ def gateway(tiny_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("metrics") / "gateway.yaml"
     path.write_text(CONFIG)
     running = start_decisiond("--config", str(path), env={"TEST_MASTER": MASTER, "TINY_DIR": tiny_dir,
-                                                          "UP_529": overloaded.url})
+                                                          "UP_529": overloaded.url,
+                                                          "DECISIOND_DATABASE_URL": f"sqlite:///{path.parent}/keys.db"})
     yield running
     running.stop()
     overloaded.stop()

@@ -13,8 +13,8 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.routing import Route
 from starlette.datastructures import MutableHeaders
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import __version__, admin, mcp_server
@@ -186,6 +186,17 @@ def _endpoint(route: DecisionRoute) -> Callable[[Request], Any]:
     return endpoint
 
 
+# The playground's files, shipped in the package (web/): no build step, no CDN.
+WEB_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
+             "playground.css": "text/css; charset=utf-8"}
+
+
+def _web_file(name: str) -> bytes:
+    from importlib.resources import files
+
+    return files("decisiond").joinpath("web", name).read_bytes()
+
+
 def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
     gateway = gateway or Gateway(router)
     mcp = mcp_server.build(gateway)
@@ -233,6 +244,20 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "models": [m.name for m in router.model_list()], "version": __version__}
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/playground", include_in_schema=False)
+    async def playground() -> Response:
+        """The playground page (``web/``): it calls /v1/decisions with the key the user types."""
+        return Response(_web_file("index.html"), media_type="text/html; charset=utf-8")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        if name not in WEB_FILES:
+            return JSONResponse({"error": {"message": "Not found.", "type": "not_found_error", "param": None,
+                                           "code": "not_found"}}, status_code=404)
+        return Response(_web_file(name), media_type=WEB_FILES[name],
+                        headers={"cache-control": "no-cache"})
 
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
