@@ -3,6 +3,9 @@ move as requests are made, read back with ``prometheus_client.parser``."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -91,6 +94,11 @@ def test_metrics_move_as_requests_are_made(gateway):
         before, "decisiond_engine_batches_total", model="tiny-local")
     assert 0 < computed < requested
     assert ("decisiond_engine_queue_depth", (("model", "tiny-local"),)) in after
+
+    # Every series the Grafana dashboard plots exists.
+    dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    plotted = set(re.findall(r"decisiond_[a-z_]+", dashboard))
+    assert plotted and plotted <= {name for name, _ in after}
 
 
 def test_metrics_need_the_master_key(gateway):
