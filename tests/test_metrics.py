@@ -3,6 +3,9 @@ move as requests are made, read back with ``prometheus_client.parser``."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -30,7 +33,8 @@ def gateway(tiny_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("metrics") / "gateway.yaml"
     path.write_text(CONFIG)
     running = start_decisiond("--config", str(path), env={"TEST_MASTER": MASTER, "TINY_DIR": tiny_dir,
-                                                          "UP_529": overloaded.url})
+                                                          "UP_529": overloaded.url,
+                                                          "DECISIOND_DATABASE_URL": f"sqlite:///{path.parent}/keys.db"})
     yield running
     running.stop()
     overloaded.stop()
@@ -90,6 +94,11 @@ def test_metrics_move_as_requests_are_made(gateway):
         before, "decisiond_engine_batches_total", model="tiny-local")
     assert 0 < computed < requested
     assert ("decisiond_engine_queue_depth", (("model", "tiny-local"),)) in after
+
+    # Every series the Grafana dashboard plots exists.
+    dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    plotted = set(re.findall(r"decisiond_[a-z_]+", dashboard))
+    assert plotted and plotted <= {name for name, _ in after}
 
 
 def test_metrics_need_the_master_key(gateway):

@@ -225,6 +225,23 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0 if summary.errors == 0 else 1
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """The MCP server over stdio (tools decide and list_models), on the model or the gateway config given."""
+    from . import mcp_server
+    from .engine.model import ModelNotFound
+    from .gateway.config import ConfigError
+    from .gateway.service import Gateway
+
+    try:
+        config = _load_config(args)
+        router = _router(args, config)
+    except (ConfigError, ModelNotFound) as error:
+        print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    mcp_server.build(Gateway(router, config)).run("stdio")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """The side-by-side benchmark; writes markdown (and JSON) reports."""
     from .bench import runner
@@ -454,6 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     batch.set_defaults(func=cmd_batch)
+
+    mcp = sub.add_parser("mcp", help="serve the MCP tools decide and list_models over stdio")
+    _add_model_args(mcp)
+    mcp.add_argument("--config", default=None, help="gateway YAML, as for serve")
+    _add_scheduling_args(mcp)
+    _add_quality_args(mcp)
+    mcp.set_defaults(func=cmd_mcp)
 
     evaluate = sub.add_parser("eval", help="measure the quality of the probabilities on labeled data, per mode")
     _add_labeled_args(evaluate)

@@ -17,9 +17,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import __version__, admin, chat
+from . import __version__, admin, chat, mcp_server
 from .canonical import DecisionResult, ScoreResult
 from .dialects import detect
 from .dialects import openai as openai_dialect
@@ -261,14 +262,28 @@ def _endpoint(route: DecisionRoute) -> Callable[[Request], Any]:
     return endpoint
 
 
+# The playground's files, shipped in the package (web/): no build step, no CDN.
+WEB_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
+             "playground.css": "text/css; charset=utf-8"}
+
+
+def _web_file(name: str) -> bytes:
+    from importlib.resources import files
+
+    return files("decisiond").joinpath("web", name).read_bytes()
+
+
 def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
     gateway = gateway or Gateway(router)
+    mcp = mcp_server.build(gateway)
+    mcp_endpoint = mcp_server.http_endpoint(mcp, gateway)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         try:
-            yield
+            async with mcp.session_manager.run():
+                yield
         finally:
             await gateway.aclose()  # upstream connection pools, Redis, the database
 
@@ -319,6 +334,20 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     async def health() -> dict[str, Any]:
         return {"status": "ok", "models": [m.name for m in router.model_list()], "version": __version__}
 
+    @app.get("/", include_in_schema=False)
+    @app.get("/playground", include_in_schema=False)
+    async def playground() -> Response:
+        """The playground page (``web/``): it calls /v1/decisions with the key the user types."""
+        return Response(_web_file("index.html"), media_type="text/html; charset=utf-8")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        if name not in WEB_FILES:
+            return JSONResponse({"error": {"message": "Not found.", "type": "not_found_error", "param": None,
+                                           "code": "not_found"}}, status_code=404)
+        return Response(_web_file(name), media_type=WEB_FILES[name],
+                        headers={"cache-control": "no-cache"})
+
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
         """Prometheus text; the master key when keys are configured (it shows every caller's traffic)."""
@@ -333,4 +362,5 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.include_router(admin.router)
     app.include_router(chat.router)
     app.include_router(admin.self_service)
+    app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["GET", "POST", "DELETE"]))
     return app
