@@ -4,11 +4,11 @@ How a batch of requests (groups) is computed, top to bottom:
 
 1. **Plan each group.** Its prompts share a prefix ``P`` (template header and document; at least one token of
    every prompt is left out of it, to be read at). The cross-request ``PrefixCache`` gives the KV cache of the
-   longest cached prefix of ``P``: ``k`` tokens that need no compute. If the rest — ``P[k:]`` and each prompt's
-   own tail, packed as a radix tree (``packing``) — fits one row of ``max_batch_tokens``, it is one row, and the
-   KV of ``P`` is cut out of that pass afterwards for the cache. Otherwise ``P[k:]`` is **prefilled in chunks**
-   of at most ``max_batch_tokens`` into the KV cache first (and cached), and the tails are packed into rows that
-   all attend to it: a shared prefix of any length is computed once, whatever the row budget.
+   longest cached prefix of ``P``: ``k`` tokens that need no compute. ``P[k:]`` is **prefilled in chunks** of at
+   most ``max_batch_tokens`` into that KV cache (and the result cached), and the prompts' own tails, packed as a
+   radix tree (``packing``), go into rows that all attend to it: a shared prefix of any length is computed once,
+   whatever the row budget. The prefix always takes this path, even when prefix and tails would fit one row, so a
+   request asked again gets bit-identical answers from the cached prefix (the tails see the same KV values).
 2. **Run the rows** in passes of at most ``max_batch_tokens`` padded tokens. Rows of different groups have
    different pasts: each row's cached prefix is laid into a padded past of the longest one, and a 4-D mask lets
    each token see its own row's past and its own prompt's earlier tokens; explicit positions put every token at
@@ -59,7 +59,7 @@ class RowWork:
     members: list[int]  # the group's prompt indices, in the row's target order
     past: KV | None
     past_len: int
-    # Tokens of the group's prefix whose KV this row's pass completes (to store in the prefix cache), or ().
+    # Prefill: the tokens whose KV this pass completes (returned by ``_forward``), or ().
     store: tuple[int, ...] = ()
 
 
@@ -115,8 +115,7 @@ class TransformersBackend:
         past = _truncate(entry, k) if k else None
         plan = Plan(reused=k)
         self.stats.reused_tokens += k
-        rest = sum(len(p) - shared for p in prompts)
-        if shared - k + rest > self.max_batch_tokens and shared > k:
+        if shared > k:
             past = self._prefill(prefix, past, k)
             plan.computed += shared - k
             k = shared
@@ -131,9 +130,7 @@ class TransformersBackend:
             plan.computed += len(prompt) - k
         rows = split_rows([prompts[i] for i in short], self.max_batch_tokens, skip=k) if short else []
         for members, row in rows:
-            # One row holds the rest of the prefix (it fits the budget): its KV comes out of that row's pass.
-            store = prefix if shared > k and len(rows) == 1 else ()
-            plan.rows.append(RowWork(index, row, [short[m] for m in members], past, k, store))
+            plan.rows.append(RowWork(index, row, [short[m] for m in members], past, k))
             plan.computed += len(row)
         return plan
 
@@ -163,12 +160,8 @@ class TransformersBackend:
         return out
 
     def _run(self, batch: list[RowWork], groups: list[Group]) -> list[list[list[float]]]:
-        """Label log-probs of every prompt of every row; stores completed prefixes in the prefix cache."""
-        want_cache = any(w.store for w in batch)
-        logits, stored = self._forward(batch, want_cache)
-        for work, kv in zip(batch, stored):
-            if work.store and kv is not None:
-                self.prefixes.put(work.store, kv, _nbytes(kv))
+        """Label log-probs of every prompt of every row."""
+        logits, _ = self._forward(batch, want_cache=False)
         out = []
         for r, (work, group) in enumerate(zip(batch, groups)):
             per_prompt = []
