@@ -20,6 +20,7 @@ rate-limit counters.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
@@ -192,26 +193,25 @@ def _group_by(params: Any) -> list[str]:
     return list(dict.fromkeys(groups))
 
 
-@router.get("/usage/summary")
-async def usage_summary(request: Request) -> Any:
+async def _grouped(request: Request, query: Callable[..., Awaitable[Any]]) -> Any:
+    """A usage report (``usage.summary`` or ``usage.daily``) grouped and filtered as the query string says."""
     try:
         gateway = await _master_db(request)
         groups, where = _group_by(request.query_params), _filter(request.query_params)
     except DecisionError as error:
         return _error(error)
     assert gateway.db is not None
-    return {"object": "list", "group_by": groups, "data": await usage.summary(gateway.db, groups, where)}
+    return {"object": "list", "group_by": groups, "data": await query(gateway.db, groups, where)}
+
+
+@router.get("/usage/summary")
+async def usage_summary(request: Request) -> Any:
+    return await _grouped(request, usage.summary)
 
 
 @router.get("/usage/daily")
 async def usage_daily(request: Request) -> Any:
-    try:
-        gateway = await _master_db(request)
-        groups, where = _group_by(request.query_params), _filter(request.query_params)
-    except DecisionError as error:
-        return _error(error)
-    assert gateway.db is not None
-    return {"object": "list", "group_by": groups, "data": await usage.daily(gateway.db, groups, where)}
+    return await _grouped(request, usage.daily)
 
 
 @router.get("/audit")
