@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, logs
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
@@ -46,6 +46,7 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
 
 def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     from .engine.backends.transformers import DEFAULT_MAX_BATCH_TOKENS
+    from .limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                    help=f"padded tokens per batched forward pass across concurrent requests "
@@ -55,6 +56,15 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="memory for KV caches of prompt prefixes kept across requests, so a document asked again "
                         "is not recomputed (default: 1/16 of the machine's memory, at most 2048; 0 turns it off)")
+    p.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
+                   help="tokens one request may make the model compute after prefix sharing; more is refused with "
+                        f"400 (default {DEFAULT_MAX_REQUEST_TOKENS})")
+    p.add_argument("--max-queued-tokens", type=int, default=DEFAULT_MAX_QUEUED_TOKENS,
+                   help="tokens of admitted work not yet computed, across requests; a request that would go over "
+                        f"gets 503 with retry-after-ms (default {DEFAULT_MAX_QUEUED_TOKENS})")
+    p.add_argument("--allow-request-templates", action="store_true",
+                   help="let a request's chat_template_kwargs.chat_template replace the model's chat template "
+                        "(rendered in a child process under a time, memory and output limit); refused otherwise")
 
 
 def _engine(args: argparse.Namespace) -> LocalEngine:
@@ -64,13 +74,21 @@ def _engine(args: argparse.Namespace) -> LocalEngine:
     loaded = model_mod.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name)
     log.info("model loaded", extra={"model": loaded.name, "path": loaded.path, "dtype": loaded.dtype,
                                     "device": loaded.device, "context_length": loaded.context_length})
-    options = {}
+    options: dict[str, Any] = {}
     if hasattr(args, "max_batch_tokens"):
-        options = {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000,
-                   "prefix_cache_mb": args.prefix_cache_mb}
+        options = _scheduling(args)
     if hasattr(args, "order"):
         options.update(order=args.order, calibrate=args.calibrate, profile=_profile(args.calibration))
     return LocalEngine(loaded, **options)
+
+
+def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
+    if args.max_queued_tokens < args.max_request_tokens:
+        raise SystemExit(f"decisiond: --max-queued-tokens ({args.max_queued_tokens}) must be at least "
+                         f"--max-request-tokens ({args.max_request_tokens})")
+    return {"max_batch_tokens": args.max_batch_tokens, "max_wait_s": args.max_wait_ms / 1000,
+            "prefix_cache_mb": args.prefix_cache_mb, "max_request_tokens": args.max_request_tokens,
+            "max_queued_tokens": args.max_queued_tokens, "allow_templates": args.allow_request_templates}
 
 
 def _profile(path: str | None) -> Profile | None:
@@ -102,8 +120,7 @@ def _router(args: argparse.Namespace, config: GatewayConfig | None = None) -> Ro
             loaded = model_mod.load(provider.model or "default", dtype=provider.dtype, device=args.device,
                                     served_name=provider.served_model_name)
             engines[provider.name] = LocalEngine(
-                loaded, max_batch_tokens=args.max_batch_tokens, max_wait_s=args.max_wait_ms / 1000,
-                prefix_cache_mb=args.prefix_cache_mb,
+                loaded, **_scheduling(args),
                 order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate,
                 profile=_profile(provider.calibration or args.calibration))
     log.info("gateway configured", extra={"providers": [p.name for p in config.providers],

@@ -28,6 +28,13 @@ __all__ = [
     "BUDGET_CACHE_S",
     "BUDGET_DB_TIMEOUT_S",
     "AUDIT_PAGE_MAX",
+    "DEFAULT_MAX_QUEUED_TOKENS",
+    "DEFAULT_MAX_REQUEST_TOKENS",
+    "MAX_CLIENT_TIMEOUT_MS",
+    "REQUEST_TEMPLATE_MAX_CHARS",
+    "REQUEST_TEMPLATE_MAX_OUTPUT",
+    "REQUEST_TEMPLATE_MEMORY_BYTES",
+    "REQUEST_TEMPLATE_TIMEOUT_S",
     "JsonLimits",
     "WireLimits",
 ]
@@ -77,6 +84,21 @@ MAX_DOCUMENT_DEPTH = 64
 BODY_READ_TIMEOUT_S = 30.0
 # Request bodies, after decompression (``serve --max-body-bytes``).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+# The local engine's admission control. Tokens one request may make the model compute after prefix sharing
+# (``--max-request-tokens``; over it: 400), and tokens admitted but not yet computed across all requests
+# (``--max-queued-tokens``; a request that would go over it: 503 with retry-after-ms). On a 2-core CPU SmolLM2
+# computes about 2,000-3,000 tokens a second.
+DEFAULT_MAX_REQUEST_TOKENS = 32 * 1024
+DEFAULT_MAX_QUEUED_TOKENS = 64 * 1024
+# ``x-decisiond-timeout-ms``: the most a client may ask for (10 minutes).
+MAX_CLIENT_TIMEOUT_MS = 600_000
+# A chat template sent in a request (only with ``serve --allow-request-templates``): its size, and the time,
+# memory and output size its rendering may take (rendered in a forked child process that is killed past them).
+REQUEST_TEMPLATE_MAX_CHARS = 32 * 1024
+REQUEST_TEMPLATE_TIMEOUT_S = 2.0
+REQUEST_TEMPLATE_MEMORY_BYTES = 512 * 1024 * 1024
+REQUEST_TEMPLATE_MAX_OUTPUT = 1024 * 1024
 
 # Usage records: at most this many wait in memory for the database (beyond, they are dropped, counted and logged),
 # written this many a transaction; a failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean

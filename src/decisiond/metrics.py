@@ -58,12 +58,24 @@ class EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("decisiond_engine_queue_depth", "Jobs waiting for the model's worker",
                                   labels=["model"])
+        queued = GaugeMetricFamily("decisiond_engine_queued_tokens",
+                                   "Tokens of admitted work not yet computed (bounded by --max-queued-tokens)",
+                                   labels=["model"])
         # (where the counter lives: the scheduler's or the backend's stats, its field) → the metric
         counters = {
             ("scheduler", "batches"): CounterMetricFamily("decisiond_engine_batches", "Batches handed to the backend",
                                                           labels=["model"]),
             ("scheduler", "jobs"): CounterMetricFamily(
                 "decisiond_engine_batched_jobs", "Requests served by those batches (÷ batches = mean batch size)",
+                labels=["model"]),
+            ("scheduler", "joined"): CounterMetricFamily(
+                "decisiond_engine_joined_jobs", "Requests that joined an identical one in flight (SDK retries)",
+                labels=["model"]),
+            ("scheduler", "cancelled"): CounterMetricFamily(
+                "decisiond_engine_cancelled_jobs", "Jobs dropped or stopped because every caller had gone",
+                labels=["model"]),
+            ("scheduler", "refused"): CounterMetricFamily(
+                "decisiond_engine_refused_jobs", "Requests refused by admission control (400 or 503)",
                 labels=["model"]),
             ("backend", "passes"): CounterMetricFamily("decisiond_engine_passes", "Forward passes of the model",
                                                        labels=["model"]),
@@ -80,9 +92,9 @@ class EngineCollector(Collector):
         }
         for name, engine in self._engines().items():
             scheduler = getattr(engine, "scheduler", None)
-            pending = getattr(scheduler, "_queue", None)
-            if pending is not None and hasattr(pending, "qsize"):
-                depth.add_metric([name], float(pending.qsize()))
+            if scheduler is not None:
+                depth.add_metric([name], float(scheduler.waiting))
+                queued.add_metric([name], float(scheduler.queued_tokens))
             sources = {"scheduler": getattr(scheduler, "stats", None),
                        "backend": getattr(getattr(engine, "backend", None), "stats", None)}
             for (source, field), family in counters.items():
@@ -90,6 +102,7 @@ class EngineCollector(Collector):
                 if isinstance(value, (int, float)):
                     family.add_metric([name], float(value))
         yield depth
+        yield queued
         yield from counters.values()
 
 

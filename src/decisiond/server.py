@@ -4,13 +4,14 @@ caller's own dialect. The route table is ``ROUTES``; the admin API lives in ``ad
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -34,13 +35,14 @@ from .gateway.pipeline import Caller, Context
 from .gateway.router import Router
 from .gateway.service import Gateway
 from .gateway.usage import UsageRecord, redact
-from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_CLIENT_TIMEOUT_MS
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from .transport import read_payload
 
 __all__ = ["ROUTES", "DecisionRoute", "RequestContext", "Settings", "create_app", "serve"]
 
 log = logging.getLogger("decisiond.server")
+T = TypeVar("T")
 access = logging.getLogger("decisiond.access")
 
 ErrorRenderer = Callable[[DecisionError, Any], tuple[int, dict[str, Any]]]
@@ -189,7 +191,8 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
             fields["items"] = len(parsed.prompts)
         else:
             fields["questions"] = len(parsed.questions)
-        result = await gateway.pipeline.run(context, parsed)
+        timeout = client_timeout(request)
+        result = await until_done(request, gateway.pipeline.run(context, parsed), timeout)
         headers = dict(context.response_headers)
         fields["resolved_model"] = context.resolved_model
         if "x-cache" in headers:  # a hit costs nothing: the access line is the record of it
@@ -206,6 +209,10 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
         body = dialect.render(result, parsed)
         _record(gateway, route, context, 200, None, result, document, body)
         return JSONResponse(body, headers=headers)
+    except ClientGone:  # nobody reads the answer: its work was cancelled, and the record says so
+        fields["error_code"] = ClientGone.code
+        _record(gateway, route, context, ClientGone.status, ClientGone.code, None, document, None)
+        return JSONResponse(None, status_code=ClientGone.status)
     except DecisionError as error:
         fields.update(error_code=error.code, outcomes=context.outcomes or None)
         status, rendered = dialect.render_error(error, document)
@@ -220,6 +227,58 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
 
 
 COST_HEADER = "x-decisiond-cost"
+TIMEOUT_HEADER = "x-decisiond-timeout-ms"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+    status = 499  # nginx's "client closed request": only ever in logs and usage records
+    code = "client_closed_request"
+
+
+def client_timeout(request: Request) -> float | None:
+    """Seconds the client allows (``x-decisiond-timeout-ms``), or None."""
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = int(value.strip())
+    except ValueError:
+        ms = 0
+    if not 1 <= ms <= MAX_CLIENT_TIMEOUT_MS:
+        raise DecisionError(f"the {TIMEOUT_HEADER} header must be a whole number of milliseconds from 1 to "
+                            f"{MAX_CLIENT_TIMEOUT_MS}", (TIMEOUT_HEADER,), code="invalid_header")
+    return ms / 1000
+
+
+async def until_done(request: Request, work: Awaitable[T], timeout: float | None) -> T:
+    """``work``, cancelled when the client disconnects (``ClientGone``) or its deadline passes (504): queued model
+    work is then dropped, running work stops between forward passes, upstream calls are abandoned."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})
+        if gone in done:
+            raise ClientGone()
+        raise DecisionError(f"the request was not answered within the {(timeout or 0) * 1000:.0f} ms its "
+                            f"{TIMEOUT_HEADER} header allows", code="deadline_exceeded", status=504,
+                            type="api_error")
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is already read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _record(gateway: Gateway, route: DecisionRoute, context: Context, status: int, error_code: str | None,

@@ -26,16 +26,23 @@ Example, a backend for any callable that gives next-token log-probs of one promp
             return "one forward pass per prompt"
 
     engine = LocalEngine(loaded, backend=OnePassBackend(my_fn, 49152))
+
+A backend that can stop between forward passes also offers ``steps(groups)``: a generator that yields after each
+pass (the tokens it computed) and returns what ``score`` would. The scheduler then interleaves the passes of
+different requests, so a small request is not stuck behind a large one, and stops computing a request whose
+callers have all gone. A backend without ``steps`` is run as one step (``stepwise``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..errors import DecisionError
+
+__all__ = ["Backend", "Group", "Scored", "SteppedBackend", "Steps", "check_finite", "run_steps", "stepwise"]
 
 
 @dataclass
@@ -67,6 +74,36 @@ class Backend(Protocol):
     def describe(self) -> str:
         """One line for model lists: what answers and how."""
         ...
+
+
+# Yields the tokens of each forward pass; returns one ``Scored`` per group.
+Steps = Generator[int, None, list[Scored]]
+
+
+@runtime_checkable
+class SteppedBackend(Backend, Protocol):
+    def steps(self, groups: Sequence[Group]) -> Steps:
+        """``score``, one forward pass per step."""
+        ...
+
+
+def stepwise(backend: Backend, groups: Sequence[Group]) -> Steps:
+    """The backend's steps, or its whole ``score`` as one step."""
+    if isinstance(backend, SteppedBackend):
+        return (yield from backend.steps(groups))
+    scored = backend.score(groups)
+    yield sum(s.computed_tokens for s in scored)
+    return scored
+
+
+def run_steps(steps: Steps) -> list[Scored]:
+    """Run every step; the result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: list[Scored] = done.value
+            return result
 
 
 def check_finite(scored: Scored) -> None:

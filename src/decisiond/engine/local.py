@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from .. import probability
 from ..canonical import (
@@ -22,6 +25,7 @@ from ..canonical import (
     Usage,
 )
 from ..errors import invalid, refused
+from ..limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from ..rules import check_temperature
 from ..text import render_input
 from .backend import Backend, Scored
@@ -39,7 +43,11 @@ from .prompt import (
     render_question,
     text_only_check,
 )
-from .scheduler import DEFAULT_MAX_WAIT_S, Job, Scheduler
+from .scheduler import DEFAULT_MAX_WAIT_S, Scheduler, Ticket
+
+__all__ = ["LocalEngine", "Prepared", "PreparedQuestion", "Variant", "build_answer", "cached_tokens", "reorder"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,12 +96,15 @@ class LocalEngine:
     mode it was fitted under and fitted temperatures and biases per question type (see ``calibration``): it sets
     the defaults (an explicit ``order``/``calibrate`` may only repeat them) and is refused, with ``ProfileError``,
     when fitted for another model or prompt format version. ``backend`` computes label log-probs (the
-    transformers backend on ``loaded.model`` by default, with ``max_batch_tokens`` and ``prefix_cache_mb``)."""
+    transformers backend on ``loaded.model`` by default, with ``max_batch_tokens`` and ``prefix_cache_mb``).
+    ``max_request_tokens`` and ``max_queued_tokens`` are the scheduler's admission limits; ``allow_templates`` lets
+    a request's ``chat_template_kwargs`` replace the chat template (rendered in a bounded child process)."""
 
     def __init__(self, loaded: LoadedModel, order: str | None = None, calibrate: str | None = None,
                  profile: Profile | None = None, backend: Backend | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 prefix_cache_mb: float | None = None):
+                 prefix_cache_mb: float | None = None, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS, allow_templates: bool = False):
         self.loaded = loaded
         self.name = loaded.name
         self.release_date = loaded.release_date
@@ -105,13 +116,13 @@ class LocalEngine:
         self.order = order or "given"
         self.calibrate = calibrate or "none"
         self.profile = profile
-        self.prompter = ChatPrompter(loaded.tokenizer, loaded.context_length)
+        self.prompter = ChatPrompter(loaded.tokenizer, loaded.context_length, allow_templates)
         self.backend: Backend = backend or TransformersBackend(
             loaded.model, loaded.name, max_batch_tokens,
             None if prefix_cache_mb is None else int(prefix_cache_mb * 2**20),
             f"{loaded.name} ({loaded.parameters / 1e6:.0f}M parameters, {loaded.dtype}, {loaded.device}) answering "
             "decisions locally")
-        self.scheduler = Scheduler(self.backend, max_batch_tokens, max_wait_s)
+        self.scheduler = Scheduler(self.backend, max_batch_tokens, max_wait_s, max_request_tokens, max_queued_tokens)
         self._priors: Lru[list[float]] = Lru(PRIOR_CACHE_ENTRIES)
 
     @property
@@ -180,7 +191,7 @@ class LocalEngine:
 
     # -------------------------------------------------------------------------------------- scoring
 
-    def _submit(self, prepared: Prepared) -> tuple[Job, list[str]]:
+    def _submit(self, prepared: Prepared) -> tuple[Ticket, list[str]]:
         """One job: every variant's prompt, then the content-free prompts whose priors are not cached yet."""
         prompts, labels = [], []
         pending: dict[str, EncodedPrompt] = {}
@@ -195,7 +206,7 @@ class LocalEngine:
         return self.scheduler.submit(prompts, labels), list(pending)
 
     def _prepare_and_submit(self, request: DecisionRequest, order: str | None = None,
-                            calibrate: str | None = None) -> tuple[Prepared, Job, list[str]]:
+                            calibrate: str | None = None) -> tuple[Prepared, Ticket, list[str]]:
         prepared = self.prepare(request, order, calibrate)
         return (prepared, *self._submit(prepared))
 
@@ -222,7 +233,7 @@ class LocalEngine:
         return prepared, self._evidence(prepared, pending, job.future.result().logprobs)
 
     def _result(self, request: DecisionRequest, prepared: Prepared, evidence: list[list[VariantEvidence]],
-                job: Job, scored: Scored) -> DecisionResult:
+                job: Ticket, scored: Scored) -> DecisionResult:
         answers = []
         for q, variants in zip(prepared.questions, evidence):
             fitted = None
@@ -247,7 +258,7 @@ class LocalEngine:
 
     async def decide_async(self, request: DecisionRequest) -> DecisionResult:
         """Prepare and submit off the event loop, then wait for the scheduler without blocking the loop."""
-        prepared, job, pending = await asyncio.to_thread(self._prepare_and_submit, request)
+        prepared, job, pending = await _off_loop(self._prepare_and_submit, request)
         scored = await asyncio.wrap_future(job.future)
         return self._result(request, prepared, self._evidence(prepared, pending, scored.logprobs), job, scored)
 
@@ -273,7 +284,7 @@ class LocalEngine:
                 raise invalid(f"label token id {bad} is outside the vocabulary (0 to {vocab - 1})", "label_token_ids")
         return prompts
 
-    def _score_submit(self, request: ScoreRequest) -> tuple[list[list[int]], Job]:
+    def _score_submit(self, request: ScoreRequest) -> tuple[list[list[int]], Ticket]:
         prompts = self._score_prompts(request)
         return prompts, self.scheduler.submit(prompts, request.label_token_ids)
 
@@ -291,11 +302,37 @@ class LocalEngine:
         return self._score_result(request, prompts, job.future.result().logprobs)
 
     async def score_async(self, request: ScoreRequest) -> ScoreResult:
-        prompts, job = await asyncio.to_thread(self._score_submit, request)
+        prompts, job = await _off_loop(self._score_submit, request)
         return self._score_result(request, prompts, (await asyncio.wrap_future(job.future)).logprobs)
 
 
-def cached_tokens(job: Job, scored: Scored, input_tokens: int) -> int:
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread; if the caller is cancelled meanwhile, the ticket it submitted is cancelled too, so
+    a request abandoned while being prepared is not computed."""
+    abandoned = threading.Event()
+
+    def run() -> T:
+        value = fn(*args)
+        if abandoned.is_set():
+            _cancel_tickets(value)
+        return value
+
+    task = asyncio.ensure_future(asyncio.to_thread(run))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        abandoned.set()
+        task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else _cancel_tickets(t.result()))
+        raise
+
+
+def _cancel_tickets(value: Any) -> None:
+    for item in value if isinstance(value, tuple) else ():
+        if isinstance(item, Ticket):
+            item.future.cancel()
+
+
+def cached_tokens(job: Ticket, scored: Scored, input_tokens: int) -> int:
     """Prompt tokens the request did not compute: shared tokens of its own prompts (computed once) and prefixes
     reused from the prefix cache, as the backend counted them (at most ``input_tokens``)."""
     scored_tokens = sum(len(p) for p in job.group.prompts)

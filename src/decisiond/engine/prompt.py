@@ -22,8 +22,10 @@ from typing import Any
 
 from ..canonical import Image, Option, Question
 from ..errors import DecisionError, invalid, refused
+from ..limits import REQUEST_TEMPLATE_MAX_CHARS
 from ..text import is_blank, question_text, render_text
 from .caches import Lru
+from .sandbox import run_isolated
 
 PROMPT_FORMAT_VERSION = 1
 
@@ -34,6 +36,11 @@ REASONING_MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"),
                      ("<|begin_of_thought|>", "<|end_of_thought|>"))
 # Answer text of a finished reply, rendered only to see what a template puts before an answer.
 _REPLY_SENTINEL = "DECISION_ANSWER_SENTINEL"
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not set them (``chat_template``, which
+# replaces the model's template, only when the server allows request templates).
+APPLY_PARAMETERS = ("chat_template", "conversation", "messages", "add_generation_prompt", "continue_final_message",
+                    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                    "return_assistant_tokens_mask", "tokenizer_kwargs")
 # Distinct chat_template_kwargs whose template checks are remembered (clients choose them: the caches are bounded).
 TEMPLATE_KWARGS_ENTRIES = 256
 
@@ -139,9 +146,10 @@ class ChatPrompter:
     """Renders one user message through the tokenizer's Jinja chat template, thinking off, and finds the
     token id each answer label adds at the answer position."""
 
-    def __init__(self, tokenizer: Any, context_length: int):
+    def __init__(self, tokenizer: Any, context_length: int, allow_templates: bool = False):
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.allow_templates = allow_templates
         template = getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
             template = template.get("default") or next(iter(template.values()), None)
@@ -187,7 +195,23 @@ class ChatPrompter:
 
     def template_kwargs(self, request_kwargs: dict[str, Any],
                         source: tuple[str | int, ...] = ("chat_template_kwargs",)) -> dict[str, Any]:
-        """Thinking off, then the request's kwargs; a request that turns thinking on is refused."""
+        """Thinking off, then the request's kwargs; a request that turns thinking on, or sets one of
+        ``apply_chat_template``'s own parameters, is refused. A ``chat_template`` of its own is taken only when the
+        server allows request templates, and is then rendered under limits (``sandbox``)."""
+        for name in APPLY_PARAMETERS:
+            if name not in request_kwargs:
+                continue
+            if name != "chat_template":
+                raise refused(f"chat_template_kwargs may not set {name!r}: it is a parameter of the templating "
+                              "call, not a template variable", *source, name)
+            if not self.allow_templates:
+                raise refused("chat_template_kwargs.chat_template would replace the model's chat template; this "
+                              "server does not run templates sent in requests (start it with "
+                              "--allow-request-templates to allow them)", *source, name)
+            template = request_kwargs[name]
+            if not isinstance(template, str) or len(template) > REQUEST_TEMPLATE_MAX_CHARS:
+                raise invalid(f"chat_template must be a string of at most {REQUEST_TEMPLATE_MAX_CHARS:,} characters",
+                              *source, name)
         for name in THINKING_TOGGLES:
             if name in request_kwargs and request_kwargs[name] is not False:
                 raise refused(
@@ -217,6 +241,13 @@ class ChatPrompter:
         return self._headers.get_or_make(json.dumps(kwargs, sort_keys=True, default=str), make)
 
     def _apply(self, messages: list[dict[str, str]], kwargs: dict[str, Any], generation: bool) -> str:
+        if "chat_template" in kwargs:  # the request's own template (allowed by the server): bounded, in a child
+            def render() -> str:
+                text: str = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=generation, **kwargs)
+                return text
+
+            return run_isolated(render, "the request's chat template")
         if self.template is None:
             raise refused("the model has no chat template, which decisions need", code="unsupported_model")
         try:

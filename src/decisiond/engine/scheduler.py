@@ -1,19 +1,30 @@
-"""Batching across requests: one worker thread owns the backend and hands it batches of requests.
+"""Batching, admission and fairness across requests: one worker thread owns the backend.
 
 Callers (HTTP handlers through ``asyncio.wrap_future``, or plain threads) submit a job — the prompts of one
-request with their label ids — and get a future. The worker takes the oldest job, then the jobs already queued
-(waiting at most ``max_wait_s`` for more) while their estimated size stays within ``max_batch_tokens``, and gives
-them to the backend together; the backend splits the work into forward passes within the same budget. Under load,
-requests that arrive during a batch join the next; at low load nothing waits. The event loop never runs model
-work, and submitting does no more than a common-prefix scan (callers submit from a worker thread).
+request with their label ids — and get a ``Ticket`` whose future yields the answer. Top to bottom:
 
-A job is marked running when the worker takes it: a caller that gives up (a cancelled HTTP request) before then
-is skipped, and one that gives up later can no longer cancel the future, so delivering a batch's results never
-fails. An error in one job's results (non-finite log-probs) goes to that job only; an error of the backend itself
-goes to every job of the batch, and the worker lives on.
+1. **Admission** (``submit``, in the caller's thread). A job's size is the tokens it makes the model compute
+   after prefix sharing (its shared prefix once, plus each prompt's rest). Over ``max_request_tokens`` it is
+   refused (400). When the tokens admitted and not yet computed would go over ``max_queued_tokens``, it is
+   refused with 503 and a ``retry-after-ms`` estimated from the measured rate, which both SDKs honour. A job
+   identical to one still queued or running (an SDK retry of a request whose first attempt timed out) joins it
+   instead: one computation, every caller answered.
+2. **Batching.** The worker takes the oldest waiting job and, while their sizes stay within ``max_batch_tokens``,
+   the jobs queued behind it (waiting at most ``max_wait_s`` for more when it is idle): a *run*. The backend splits
+   a run into forward passes within the same budget.
+3. **Interleaving.** Runs advance one forward pass at a time (``backend.steps``). The worker steps the run with the
+   least work left, and every ``FAIR_EVERY``-th step the one that waited longest, so a small request arriving
+   behind a long document is answered after a pass or two, and a long one still progresses under a stream of small
+   ones. Small runs are admitted at once; at most ``MAX_LARGE_RUNS`` runs larger than one pass are open together
+   (each holds the KV cache of its document).
+4. **Cancellation.** A caller that gives up cancels its ticket's future (``asyncio`` does this when the HTTP
+   handler is cancelled: client gone, deadline passed). A job whose callers have all gone is dropped while queued,
+   and a run whose jobs have all gone is stopped between passes. Cancelling never disturbs the other jobs of a run.
 
-One thread does all model math (``call`` runs other model work there too): on a CPU, two threads taking turns at
-forward passes each bring their own math thread pool, and the pools slow each other down.
+An error in one job's results (non-finite log-probs) goes to that job only; an error of the backend itself goes to
+every job of the run, and the worker lives on. One thread does all model math (``call`` runs other model work
+there too): on a CPU, two threads taking turns at forward passes each bring their own math thread pool, and the
+pools slow each other down.
 """
 
 from __future__ import annotations
@@ -21,132 +32,285 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backend import Backend, Group, Scored, check_finite
+from ..errors import DecisionError
+from ..limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
+from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
 from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
+
+__all__ = ["DEFAULT_MAX_WAIT_S", "FAIR_EVERY", "MAX_LARGE_RUNS", "Job", "Scheduler", "Stats", "Ticket"]
 
 log = logging.getLogger("decisiond.scheduler")
 
 DEFAULT_MAX_WAIT_S = 0.002
+FAIR_EVERY = 4
+MAX_LARGE_RUNS = 2
+# Until a rate is measured: tokens a second, for retry-after estimates.
+_INITIAL_RATE = 2000.0
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     group: Group
-    # An upper bound of the tokens the job computes: its shared prefix once, plus each prompt's rest.
+    # The tokens the job computes: its shared prefix once, plus each prompt's rest.
     size: int
-    future: Future[Any] = field(default_factory=Future)  # -> Scored
+    key: tuple[Any, ...]
+    waiters: list[Future[Scored]] = field(default_factory=list)
+    gone: bool = False  # every caller has cancelled
+
+    @property
+    def future(self) -> Future[Scored]:
+        """The first caller's future (for callers that submitted it directly)."""
+        return self.waiters[0]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One caller's claim on a job: its own future, cancellable without touching the other callers'."""
+
+    job: Job
+    future: Future[Scored]
+
+    @property
+    def group(self) -> Group:
+        return self.job.group
 
 
 @dataclass
 class Call:
-    """Other model work, run on the worker between batches."""
+    """Other model work, run on the worker between passes."""
 
     fn: Callable[[], Any]
     future: Future[Any] = field(default_factory=Future)
 
 
-@dataclass
-class Stats:
-    batches: int = 0
-    jobs: int = 0
-    cancelled: int = 0
-    prompt_tokens: int = 0
+@dataclass(eq=False)
+class Run:
+    jobs: list[Job]
+    steps: Steps
+    size: int
+    done: int = 0
+    last: float = field(default_factory=time.monotonic)
 
     @property
-    def passes(self) -> int:  # the old name: batches handed to the backend
+    def left(self) -> int:
+        return max(0, self.size - self.done)
+
+
+@dataclass
+class Stats:
+    batches: int = 0  # runs completed
+    jobs: int = 0  # jobs answered
+    joined: int = 0  # submissions that joined an identical job
+    cancelled: int = 0  # jobs dropped or stopped because every caller had gone
+    refused: int = 0  # submissions refused by admission control
+    steps: int = 0  # forward passes (steps) taken
+    prompt_tokens: int = 0  # prompt tokens of answered jobs
+
+    @property
+    def passes(self) -> int:  # the old name: runs handed to the backend
         return self.batches
 
 
 class Scheduler:
     def __init__(self, backend: Backend, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 max_wait_s: float = DEFAULT_MAX_WAIT_S):
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS):
+        if max_queued_tokens < max_request_tokens:
+            raise ValueError(f"max_queued_tokens ({max_queued_tokens}) must be at least max_request_tokens "
+                             f"({max_request_tokens})")
         self.backend = backend
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
+        self.max_request_tokens = max_request_tokens
+        self.max_queued_tokens = max_queued_tokens
         self.stats = Stats()
-        self._queue: queue.Queue[Job | Call] = queue.Queue()
-        self._carry: Job | Call | None = None
+        self.queued_tokens = 0  # admitted and not yet answered, dropped or stopped
+        self.rate = _INITIAL_RATE  # tokens a second, measured over passes
+        self._lock = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._calls: deque[Call] = deque()
+        self._running: list[Run] = []
+        self._inflight: dict[tuple[Any, ...], Job] = {}
+        self._turn = 0
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
 
-    def submit(self, prompts: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> Job:
-        """Queue one request's prompts; ``job.future`` yields a ``Scored`` (label log-probs in prompt order)."""
+    @property
+    def waiting(self) -> int:
+        """Jobs admitted and not yet started."""
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------------------------ callers
+
+    def submit(self, prompts: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> Ticket:
+        """Queue one request's prompts; ``ticket.future`` yields a ``Scored`` (label log-probs in prompt order).
+        Raises ``DecisionError`` when admission control refuses it."""
         rows = [list(p) for p in prompts]
         shared = len(os.path.commonprefix(rows)) if rows else 0
-        job = Job(Group(rows, [list(x) for x in labels]), shared + sum(len(p) - shared for p in rows))
-        self._put(job)
-        return job
+        size = shared + sum(len(p) - shared for p in rows)
+        if size > self.max_request_tokens:
+            self.stats.refused += 1
+            raise DecisionError(
+                f"this request needs {size:,} tokens of model work after prefix sharing, over this server's limit "
+                f"of {self.max_request_tokens:,} tokens a request (--max-request-tokens); send fewer questions or "
+                "a shorter input", code="request_too_large")
+        key = (tuple(map(tuple, rows)), tuple(map(tuple, labels)))
+        future: Future[Scored] = Future()
+        with self._lock:
+            job = self._inflight.get(key)
+            if job is not None:
+                self.stats.joined += 1
+            else:
+                if self.queued_tokens and self.queued_tokens + size > self.max_queued_tokens:
+                    self.stats.refused += 1
+                    raise self._overloaded(size)
+                job = Job(Group(rows, [list(x) for x in labels]), size, key)
+                self._inflight[key] = job
+                self.queued_tokens += size
+                self._waiting.append(job)
+            job.waiters.append(future)
+            self._wake()
+        future.add_done_callback(lambda f: self._cancelled(job) if f.cancelled() else None)
+        return Ticket(job, future)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread and return its result."""
         task = Call(fn)
-        self._put(task)
+        with self._lock:
+            self._calls.append(task)
+            self._wake()
         return task.future.result()
 
-    def _put(self, item: Job | Call) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name="decisiond-scorer", daemon=True)
-                self._thread.start()
-        self._queue.put(item)
+    def _overloaded(self, size: int) -> DecisionError:
+        wait_ms = int(min(60_000, max(100, 1000 * self.queued_tokens / max(self.rate, 1.0))))
+        return DecisionError(
+            f"the local model is busy: {self.queued_tokens:,} tokens of work are queued and this request adds "
+            f"{size:,}, over this server's limit of {self.max_queued_tokens:,} (--max-queued-tokens); retry in "
+            f"about {wait_ms / 1000:.1f} s", code="server_overloaded", status=503, type="api_error",
+            headers={"retry-after-ms": str(wait_ms), "Retry-After": str(max(1, round(wait_ms / 1000)))})
+
+    def _cancelled(self, job: Job) -> None:
+        with self._lock:
+            if job.gone or not all(f.cancelled() for f in job.waiters):
+                return
+            job.gone = True
+            if self._inflight.get(job.key) is job:  # a retry now starts afresh
+                del self._inflight[job.key]
+            if job in self._waiting:  # never started: its tokens are free at once
+                self._waiting.remove(job)
+                self._release(job)
+                self.stats.cancelled += 1
+
+    def _release(self, job: Job) -> None:
+        self.queued_tokens -= job.size
+        if self._inflight.get(job.key) is job:
+            del self._inflight[job.key]
+
+    def _wake(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._work, name="decisiond-scorer", daemon=True)
+            self._thread.start()
+        self._lock.notify()
 
     # ------------------------------------------------------------------------------------ worker
 
-    def _take(self, item: Job | Call) -> bool:
-        """Mark ``item`` running; False when its caller has cancelled it (it is then dropped)."""
-        if item.future.set_running_or_notify_cancel():
-            return True
-        self.stats.cancelled += 1
-        return False
-
-    def _next(self) -> list[Job] | Call:
-        while True:
-            first = self._carry or self._queue.get()
-            self._carry = None
-            if self._take(first):
-                break
-        if isinstance(first, Call):
-            return first
-        batch, size = [first], first.size
-        deadline = time.monotonic() + self.max_wait_s
-        while True:
-            try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if isinstance(item, Call) or size + item.size > self.max_batch_tokens:
-                self._carry = item
-                break
-            if self._take(item):
-                batch.append(item)
-                size += item.size
-        return batch
-
     def _work(self) -> None:
         while True:
-            item = self._next()
-            if isinstance(item, Call):
-                _deliver(item.future, item.fn)
-                continue
-            try:
-                scored = self.backend.score([job.group for job in item])
-            except BaseException as error:  # delivered to the callers; the worker lives on
-                for job in item:
-                    job.future.set_exception(error)
-                continue
-            self.stats.batches += 1
-            self.stats.jobs += len(item)
-            self.stats.prompt_tokens += sum(len(p) for job in item for p in job.group.prompts)
-            for job, result in zip(item, scored):
-                _deliver(job.future, functools.partial(_checked, result))
+            call, run = self._next()
+            if call is not None:
+                _deliver(call.future, call.fn)
+            if run is not None:
+                self._step(run)
+
+    def _next(self) -> tuple[Call | None, Run | None]:
+        """A call to make, and the run to step (starting a new one from the waiting jobs when allowed)."""
+        with self._lock:
+            while not (self._calls or self._waiting or self._running):
+                self._lock.wait()
+            if self._calls:
+                return self._calls.popleft(), None
+            if self._waiting and not self._running:
+                # Idle: give concurrent callers a moment to join the batch.
+                deadline = time.monotonic() + self.max_wait_s
+                while (left := deadline - time.monotonic()) > 0 and \
+                        sum(j.size for j in self._waiting) < self.max_batch_tokens:
+                    self._lock.wait(left)
+            self._start_runs()
+            for run in list(self._running):
+                if all(job.gone for job in run.jobs):  # nobody waits: stop between passes
+                    self._running.remove(run)
+                    run.steps.close()
+                    for job in run.jobs:
+                        self.stats.cancelled += 1
+                        self._release(job)
+            if not self._running:
+                return None, None
+            self._turn += 1
+            if self._turn % FAIR_EVERY == 0:
+                run = min(self._running, key=lambda r: r.last)
+            else:
+                run = min(self._running, key=lambda r: (r.left, r.last))
+            return None, run
+
+    def _start_runs(self) -> None:
+        """Waiting jobs into runs: small runs at once, large ones while fewer than ``MAX_LARGE_RUNS`` are open."""
+        while self._waiting:
+            large = sum(1 for r in self._running if r.size > self.max_batch_tokens)
+            first = self._waiting[0]
+            if first.size > self.max_batch_tokens and large >= MAX_LARGE_RUNS:
+                small = next((j for j in self._waiting if j.size <= self.max_batch_tokens), None)
+                if small is None:
+                    return
+                self._waiting.remove(small)
+                batch = [small]
+            else:
+                batch = [self._waiting.popleft()]
+            size = batch[0].size
+            while self._waiting and size + self._waiting[0].size <= self.max_batch_tokens:
+                job = self._waiting.popleft()
+                batch.append(job)
+                size += job.size
+            self._running.append(Run(batch, stepwise(self.backend, [j.group for j in batch]), size))
+
+    def _step(self, run: Run) -> None:
+        started = time.monotonic()
+        try:
+            tokens = next(run.steps)
+        except StopIteration as finished:
+            self._finish(run, finished.value)
+            return
+        except BaseException as error:  # delivered to the callers; the worker lives on
+            self._finish(run, error)
+            return
+        elapsed = time.monotonic() - started
+        run.done += tokens
+        run.last = time.monotonic()
+        self.stats.steps += 1
+        if tokens and elapsed > 0:
+            self.rate = 0.8 * self.rate + 0.2 * tokens / elapsed
+
+    def _finish(self, run: Run, outcome: list[Scored] | BaseException) -> None:
+        with self._lock:
+            self._running.remove(run)
+            for job in run.jobs:
+                self._release(job)
+            if not isinstance(outcome, BaseException):
+                self.stats.batches += 1
+                self.stats.jobs += len(run.jobs)
+                self.stats.prompt_tokens += sum(len(p) for job in run.jobs for p in job.group.prompts)
+        for i, job in enumerate(run.jobs):
+            for future in job.waiters:
+                if isinstance(outcome, BaseException):
+                    _deliver(future, _raise(outcome))
+                else:
+                    _deliver(future, functools.partial(_checked, outcome[i]))
 
 
 def _checked(scored: Scored) -> Scored:
@@ -154,11 +318,23 @@ def _checked(scored: Scored) -> Scored:
     return scored
 
 
+def _raise(error: BaseException) -> Callable[[], Any]:
+    def fail() -> Any:
+        raise error
+    return fail
+
+
 def _deliver(future: Future[Any], fn: Callable[[], Any]) -> None:
-    """The value of ``fn()``, or its error, to a running future (which can no longer be cancelled)."""
+    """The value of ``fn()``, or its error, to ``future`` — unless its caller has cancelled it meanwhile."""
     try:
         value = fn()
     except BaseException as error:
-        future.set_exception(error)
+        try:
+            future.set_exception(error)
+        except InvalidStateError:
+            pass
     else:
-        future.set_result(value)
+        try:
+            future.set_result(value)
+        except InvalidStateError:
+            pass

@@ -22,15 +22,17 @@ Models whose attention is not plain causal over the whole context (sliding windo
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..backend import Group, Scored
+from ..backend import Group, Scored, Steps, run_steps
 from ..caches import PrefixCache, default_prefix_cache_bytes
 from ..packing import PackedRow, common_prefix, pack, split_rows
+
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "Stats", "TransformersBackend"]
 
 # On a CPU a forward pass over ~1,000 tokens is as efficient as it gets: larger batches only add latency and memory.
 DEFAULT_MAX_BATCH_TOKENS = 1024
@@ -96,18 +98,33 @@ class TransformersBackend:
     # ------------------------------------------------------------------------------------ scoring
 
     def score(self, groups: Sequence[Group]) -> list[Scored]:
+        return run_steps(self.steps(groups))
+
+    def steps(self, groups: Sequence[Group]) -> Steps:
+        """``score`` one forward pass at a time: yields the tokens of each pass, returns the answers. The scheduler
+        runs other requests' passes in between, and stops a request nobody waits for any longer."""
         if not self.packing:
-            return [self._score_one_by_one(g) for g in groups]
-        plans = [self._plan(i, g) for i, g in enumerate(groups)]
+            out = []
+            for g in groups:
+                one_by_one = []
+                for prompt, labels in zip(g.prompts, g.labels):
+                    one_by_one.append(self.reference(prompt, labels))
+                    yield len(prompt)
+                out.append(Scored(one_by_one, sum(len(p) for p in g.prompts), 0))
+            return out
+        plans = []
+        for i, g in enumerate(groups):
+            plans.append((yield from self._plan(i, g)))
         logprobs: list[dict[int, list[float]]] = [{} for _ in groups]
         rows = [r for plan in plans for r in plan.rows]
         for batch in self._passes(rows):
             for work, values in zip(batch, self._run(batch, [groups[w.group] for w in batch])):
                 logprobs[work.group].update(zip(work.members, values))
+            yield sum(len(w.row) for w in batch)
         return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused)
                 for g, lp, plan in zip(groups, logprobs, plans)]
 
-    def _plan(self, index: int, group: Group) -> Plan:
+    def _plan(self, index: int, group: Group) -> Generator[int, None, Plan]:
         prompts = group.prompts
         shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1)
         prefix = tuple(prompts[0][:shared])
@@ -116,7 +133,7 @@ class TransformersBackend:
         plan = Plan(reused=k)
         self.stats.reused_tokens += k
         if shared > k:
-            past = self._prefill(prefix, past, k)
+            past = yield from self._prefill(prefix, past, k)
             plan.computed += shared - k
             k = shared
         # A prompt whose own tail is over the budget: its tail is prefilled too, and its last token read alone.
@@ -125,7 +142,7 @@ class TransformersBackend:
             if len(prompt) - k <= self.max_batch_tokens:
                 short.append(i)
                 continue
-            own = self._prefill(tuple(prompt[:-1]), past, k)
+            own = yield from self._prefill(tuple(prompt[:-1]), past, k)
             plan.rows.append(RowWork(index, pack([prompt], skip=len(prompt) - 1), [i], own, len(prompt) - 1))
             plan.computed += len(prompt) - k
         rows = split_rows([prompts[i] for i in short], self.max_batch_tokens, skip=k) if short else []
@@ -134,7 +151,7 @@ class TransformersBackend:
             plan.computed += len(row)
         return plan
 
-    def _prefill(self, tokens: tuple[int, ...], past: KV | None, start: int) -> KV:
+    def _prefill(self, tokens: tuple[int, ...], past: KV | None, start: int) -> Generator[int, None, KV]:
         """The KV cache of ``tokens``, given that of its first ``start`` tokens, computed in chunks (and cached)."""
         for begin in range(start, len(tokens), self.max_batch_tokens):
             end = min(begin + self.max_batch_tokens, len(tokens))
@@ -142,6 +159,7 @@ class TransformersBackend:
             work = RowWork(-1, chunk, [], past, begin, store=tokens[:end])
             past = self._forward([work], want_cache=True)[1][0]
             self.stats.prefill_tokens += end - begin
+            yield end - begin
         assert past is not None
         self.prefixes.put(tokens, past, _nbytes(past))
         return past
@@ -262,10 +280,6 @@ class TransformersBackend:
         self.stats.passes += 1
         self.stats.computed_tokens += len(ids)
         return [float(lp[i]) for i in label_ids]
-
-    def _score_one_by_one(self, group: Group) -> Scored:
-        logprobs = [self.reference(p, labels) for p, labels in zip(group.prompts, group.labels)]
-        return Scored(logprobs, sum(len(p) for p in group.prompts), 0)
 
 
 def _truncate(kv: KV | None, length: int) -> KV:

@@ -1,0 +1,100 @@
+"""Running code a request chose (a chat template it sends) under a time, memory and output limit.
+
+A Jinja template can loop and build strings without bound, and a thread cannot be stopped from outside; so the
+rendering runs in a forked child process whose address space is capped (``RLIMIT_AS``), which is killed when it
+runs past its time, and whose output is cut off past its size. The child only renders and writes its result to a
+pipe; the server's threads (the event loop, the model's worker) are not in it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+
+from ..errors import DecisionError
+from ..limits import REQUEST_TEMPLATE_MAX_OUTPUT, REQUEST_TEMPLATE_MEMORY_BYTES, REQUEST_TEMPLATE_TIMEOUT_S
+
+__all__ = ["isolated_available", "run_isolated"]
+
+
+def isolated_available() -> bool:
+    return hasattr(os, "fork")
+
+
+def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TEMPLATE_TIMEOUT_S,
+                 memory_bytes: int = REQUEST_TEMPLATE_MEMORY_BYTES,
+                 max_output: int = REQUEST_TEMPLATE_MAX_OUTPUT) -> str:
+    """``fn()`` (a string) computed in a child process; a ``DecisionError`` naming ``what`` when it fails, runs past
+    ``timeout_s``, needs more than ``memory_bytes`` beyond what the server has mapped, or returns more than
+    ``max_output`` bytes."""
+    if not isolated_available():
+        raise DecisionError(f"{what} cannot be rendered safely on this platform", code="unsupported_value")
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, report, exit without running the parent's clean-up
+        status = 0
+        try:
+            os.close(read_fd)
+            _cap_memory(memory_bytes)
+            try:
+                payload = b"k" + fn().encode("utf-8", "surrogatepass")[: max_output + 1]
+            except BaseException as error:  # MemoryError, RecursionError, the template's own errors
+                payload = b"e" + f"{type(error).__name__}: {error}"[:500].encode("utf-8", "replace")
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(write_fd, view):]
+        except BaseException:
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DecisionError(f"{what} took longer than {timeout_s:g} s to render", code="template_limit")
+            ready, _, _ = select.select([read_fd], [], [], left)
+            if not ready:
+                continue
+            data = os.read(read_fd, 1 << 16)
+            if not data:
+                break
+            chunks.append(data)
+            size += len(data)
+            if size > max_output + 1:
+                raise DecisionError(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
+    finally:
+        os.close(read_fd)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    payload = b"".join(chunks)
+    if payload[:1] == b"k" and len(payload) - 1 <= max_output:
+        return payload[1:].decode("utf-8", "surrogatepass")
+    if payload[:1] == b"k":
+        raise DecisionError(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
+    if payload[:1] == b"e":
+        reason = payload[1:].decode("utf-8", "replace")
+        if reason.startswith("MemoryError"):
+            reason = f"it needed more than {memory_bytes // 2**20} MiB"
+        raise DecisionError(f"{what} failed: {reason}", code="chat_template_error")
+    raise DecisionError(f"{what} failed: its renderer stopped without an answer", code="chat_template_error")
+
+
+def _cap_memory(extra: int) -> None:
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + extra, mapped + extra))
+    except (OSError, ValueError, ImportError):  # no /proc: the time limit still holds
+        pass
