@@ -98,7 +98,7 @@ async def forward(request: Request, route: str) -> Response:
         configs = gateway.guardrails.for_request(model, caller.guardrails)
         if configs:
             outcomes: dict[str, str] = {}
-            redacted, results = await gateway.guardrails.run(configs, texts)
+            redacted, results = await gateway.guardrails.run(configs, texts, request.state.request_id)
             try:
                 verdict(results, headers, outcomes)
             finally:

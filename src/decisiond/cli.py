@@ -340,6 +340,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from datetime import datetime, timedelta, timezone
 
     from .gateway.config import ConfigError, RateLimitConfig, check_user_path
+    from .gateway.guardrails import unknown_guardrail
     from .gateway.service import DATABASE_URL_ENV
     from .store import Database, KeyStore
 
@@ -347,6 +348,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
         config = _load_config(args)
     except ConfigError as error:
         print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    guardrails = list(dict.fromkeys(g.strip() for g in (getattr(args, "guardrails", None) or "").split(",")
+                                    if g.strip()))
+    defined = [g.name for g in config.guardrails] if config else []
+    missing = unknown_guardrail(guardrails, defined)
+    if missing is not None:  # checked against the server's config, as the admin API checks them
+        print(f"decisiond: unknown guardrail {missing!r}; configured guardrails: "
+              f"{', '.join(repr(n) for n in defined) or 'none (give the server config with --config)'}",
+              file=sys.stderr)
         return 2
     import os
 
@@ -364,7 +374,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 record, key = await store.create(
                     args.name, check_user_path(args.user_path),
                     [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
-                    limits.model_dump(exclude_defaults=True) or None, expires)
+                    limits.model_dump(exclude_defaults=True) or None, expires, guardrails)
                 print(json.dumps({**record.public(), "key": key}, indent=2))
                 print("The key is shown once; store it now.", file=sys.stderr)
             elif args.action == "list":
@@ -531,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tpm", type=int, default=None, help="input tokens per minute")
     create.add_argument("--concurrent", type=int, default=None, help="requests in flight")
     create.add_argument("--expires-in", type=int, default=None, metavar="SECONDS")
+    create.add_argument("--guardrails", default=None,
+                        help="comma-separated names of guardrails in --config's YAML, run on the key's requests")
     keys_sub.add_parser("list", help="list keys (never their secrets)")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("id")
@@ -543,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated: key, user_path, model, provider, request_type (default: model)")
     usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
     usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
-    usage_cmd.add_argument("--request-type", default=None, choices=["decisions", "system_one", "score"])
+    usage_cmd.add_argument("--request-type", default=None, choices=["decisions", "system_one", "score", "guardrail"])
     usage_cmd.add_argument("--log-level", default="warning")
     usage_cmd.set_defaults(func=cmd_usage)
 

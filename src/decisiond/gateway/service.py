@@ -3,11 +3,17 @@ and the pipeline of stages in their one fixed order."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from typing import Any
 
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
+from ..errors import DecisionError
 from ..store import Database, KeyStore
 from . import pricing
 from .allowlist import Allowlist
@@ -20,8 +26,8 @@ from .limits import RequestLimits
 from .pipeline import Context, Pipeline, Stage
 from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
 from .resolve import ResolveModel
-from .router import Router, Target
-from .usage import UsageWriter
+from .router import Gate, Router, Target
+from .usage import UsageRecord, UsageWriter
 
 __all__ = ["Gateway"]
 
@@ -98,12 +104,23 @@ class Gateway:
         if self.db is not None:
             await self.db.aclose()
 
-    async def _judge(self, guardrail: GuardrailConfig, text: str) -> float:
-        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names."""
+    async def _judge(self, guardrail: GuardrailConfig, text: str, request_id: str) -> float:
+        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call's
+        usage and cost go on a usage row of its own, under the guardrail's user path (not the caller's)."""
         request = DecisionRequest(input=(Message("user", (Text(text),)),), questions=(judge_question(guardrail),),
                                   model=guardrail.model)
         name = self.router.resolve_name(guardrail.model, strict=True)
-        result = await self.router.decide(request, name)
+        tried: list[Target] = []
+        started = time.perf_counter()
+        result: DecisionResult | None = None
+        failure: BaseException | None = None
+        try:
+            result = await self.router.decide(request, name, _tracking(tried))
+        except BaseException as error:  # recorded, then raised on to the guardrail's fail_mode
+            failure = error
+            raise
+        finally:
+            self._record_judge(guardrail, request_id, name, tried, result, failure, started)
         answer = result.answers[0]
         if answer.refusal:
             raise RuntimeError(f"the judge model {guardrail.model!r} did not answer")
@@ -131,9 +148,51 @@ class Gateway:
 
     @staticmethod
     def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:
-        """Attribute the answer to the target that gave it, and price it by that target's price."""
-        if not tried:
+        if tried:
+            context.answered_by, context.cost = _answered(tried, usage, provider_format)
+
+    def _record_judge(self, guardrail: GuardrailConfig, request_id: str, name: str, tried: list[Target],
+                      result: DecisionResult | None, failure: BaseException | None, started: float) -> None:
+        """Hand one judge call's usage row to the writer (no-op without a database; never fails the call)."""
+        if self.usage is None:
             return
-        target = tried[-1]
-        context.answered_by = (target.provider.name, target.name)
-        context.cost = pricing.cost(target.price, usage, provider_format)
+        usage = result.usage if result is not None else Usage()
+        answered_by, cost = _answered(tried, usage, result.provider_format) if result is not None and tried \
+            else ((None, None), 0.0)
+        if failure is None:
+            status, code = 200, None
+        elif isinstance(failure, DecisionError):
+            status, code = failure.status, failure.code
+        elif isinstance(failure, asyncio.CancelledError):  # the guardrail's timeout_ms ran out
+            status, code = 504, "guardrail_timeout"
+        else:
+            status, code = 502, "judge_failed"
+        try:
+            self.usage.submit(UsageRecord(
+                time=datetime.now(timezone.utc), request_id=request_id, key_id=None, user_path=guardrail.user_path,
+                request_type="guardrail", dialect=None, requested_model=guardrail.model, resolved_model=name,
+                provider=answered_by[0], model=answered_by[1],
+                upstream_model=result.model if result is not None else None, attempts=len(tried),
+                targets=[t.name for t in tried], input_tokens=usage.input_tokens, cached_tokens=usage.cached_tokens,
+                output_tokens=usage.output_tokens, cost=cost, status=status, error_code=code,
+                latency_ms=round((time.perf_counter() - started) * 1000, 2), guardrail=guardrail.name))
+        except Exception:  # a record must never fail the guardrail
+            log.exception("judge usage record not built", extra={"request_id": request_id})
+
+
+def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[tuple[str, str], float]:
+    """The target that gave an answer — the last one tried — as (provider, name), and the answer's cost by that
+    target's price."""
+    target = tried[-1]
+    return (target.provider.name, target.name), pricing.cost(target.price, usage, provider_format)
+
+
+def _tracking(tried: list[Target]) -> Gate:
+    """A gate that admits every attempt and notes its target in ``tried``."""
+
+    @contextlib.asynccontextmanager
+    async def gate(target: Target) -> AsyncIterator[None]:
+        tried.append(target)
+        yield None
+
+    return gate
