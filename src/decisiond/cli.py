@@ -264,9 +264,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import runner
 
     report = runner.run(model=args.model, tickets=args.tickets,
-                        question_sets=tuple(int(x) for x in args.questions.split(",")),
+                        question_sets=tuple(int(x) for x in args.questions.split(",") if x),
                         clients=tuple(int(x) for x in args.clients.split(",")),
                         naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
+                        fairness_blocks=args.fairness,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench"
     text = runner.markdown(report, args.command_line or command)
@@ -568,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--naive-tickets", type=int, default=None, help="run the naive loop on the first N tickets only")
     bench.add_argument("--long-documents", type=int, default=0,
                        help="also run N documents of ~2,000 tokens (5 questions each, then asked again; default 0)")
+    bench.add_argument("--fairness", type=int, default=0, metavar="BLOCKS",
+                       help="also time tiny requests alone and with a 50-question long-document request in flight, "
+                            "in BLOCKS alternating blocks of 20 (default 0: skip)")
     bench.add_argument("--out", default=None, help="write the markdown report here")
     bench.add_argument("--json", default=None, help="write the raw numbers here")
     bench.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
