@@ -179,8 +179,10 @@ class UsageMeter:
             self._take(self.document)
 
     def _line(self, line: bytes) -> None:
-        # Only ``data:`` lines that mention a usage are parsed: the last one that carries a usage wins.
-        if not line.startswith(b"data:") or b'"usage"' not in line:
+        # Only ``data:`` lines that mention a usage are parsed (the last one that carries a usage wins), and the
+        # first that names a model (an answer without a usage still says which model gave it).
+        if not line.startswith(b"data:") or (b'"usage"' not in line and (self.model is not None
+                                                                        or b'"model"' not in line)):
             return
         try:
             data = json.loads(line[5:])
@@ -196,8 +198,9 @@ class UsageMeter:
         usage = read_usage(data.get("usage"))
         if usage is not None:
             self.usage = usage
-            model = data.get("model")
-            self.model = model if isinstance(model, str) else self.model
+        model = data.get("model")
+        if isinstance(model, str) and (usage is not None or self.model is None):
+            self.model = model
 
 
 def _message(text: str) -> str:
