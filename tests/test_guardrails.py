@@ -148,7 +148,8 @@ def responses_events(model: str):
                                            "content": [{"type": "output_text", "text": text, "annotations": []}]}]
         return {"id": "resp_1", "object": "response", "created_at": 1, "status": status, "model": model,
                 "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "usage": None if text is None else {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7,
+                "usage": None if text is None else {"input_tokens": RESPONSES_USAGE[0],
+                                                    "output_tokens": RESPONSES_USAGE[1], "total_tokens": 7,
                                                     "input_tokens_details": {"cached_tokens": 0},
                                                     "output_tokens_details": {"reasoning_tokens": 0}}}
     item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
@@ -168,9 +169,17 @@ def responses_events(model: str):
     yield "response.completed", {"response": response("completed", "Hello")}
 
 
+# What the fake chat upstream reports: a chat completion (JSON), a streamed one (its last chunk, when the client asks
+# stream_options.include_usage), and a Responses API answer (JSON or the response.completed event).
+CHAT_USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
+              "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
+STREAM_USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+RESPONSES_USAGE = (5, 2)
+
+
 class ChatUpstream:
     """OpenAI's chat completions and Responses API: JSON, or server-sent events in two halves with a pause the test
-    controls."""
+    controls; each answer reports its usage as OpenAI does."""
 
     def __init__(self):
         self.seen: list[dict] = []
@@ -187,9 +196,14 @@ class ChatUpstream:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 upstream.seen.append({"path": self.path, "body": body, "auth": self.headers.get("authorization")})
                 if not body.get("stream"):
-                    data = json.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": body["model"],
-                                       "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                                           "role": "assistant", "content": "Sure."}}]}).encode()
+                    if self.path.endswith("/responses"):
+                        *_, (_, completed) = responses_events(body["model"])
+                        answer = completed["response"]
+                    else:
+                        answer = {"id": "c1", "object": "chat.completion", "created": 1, "model": body["model"],
+                                  "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                      "role": "assistant", "content": "Sure."}}], "usage": CHAT_USAGE}
+                    data = json.dumps(answer).encode()
                     self.send_response(200)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(data)))
@@ -213,10 +227,14 @@ class ChatUpstream:
                         self.wfile.flush()
                     return
 
-                def event(content, finish=None):
+                usage = (body.get("stream_options") or {}).get("include_usage")
+
+                def event(content, finish=None, last=False):
                     chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
-                             "choices": [{"index": 0, "delta": {"content": content} if content else {},
-                                          "finish_reason": finish}]}
+                             "choices": [] if last else [{"index": 0, "finish_reason": finish,
+                                                          "delta": {"content": content} if content else {}}]}
+                    if usage:  # as OpenAI does: "usage": null in every chunk, then a last chunk with the usage
+                        chunk["usage"] = STREAM_USAGE if last else None
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
 
@@ -224,6 +242,8 @@ class ChatUpstream:
                 upstream.release.wait(10)  # the client must see the first half before the second is sent
                 event("lo")
                 event(None, "stop")
+                if usage:
+                    event(None, last=True)
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
@@ -436,7 +456,10 @@ providers:
   - {name: judge, type: openai, base_url: "${JUDGE}/v1"}
   - {name: up, type: openai, base_url: "${UP}/v1"}
   - {name: dead, type: openai, base_url: "${DEAD}/v1"}
+  - {name: chat, type: openai, base_url: "${CHAT}/v1", api_key: "sk-chat-upstream-1234"}
 models:
+  - {name: chat-priced, provider: chat, upstream: gpt-6, capabilities: [chat], guardrails: [words],
+     pricing: {input_per_mtok: 2.0, output_per_mtok: 8.0}}
   - {name: judge-priced, provider: judge, upstream: judge-1, pricing: {input_per_mtok: 2.0}}
   - {name: judged-by-the-dead, provider: up, upstream: gpt-6-luna, guardrails: [down-open]}
   - {name: judged, provider: up, upstream: gpt-6-luna, guardrails: [injection], pricing: {input_per_mtok: 1.0}}
@@ -452,7 +475,7 @@ def accounted(ups, tmp_path_factory):
     config.write_text(ACCOUNTED)
     running = start_decisiond("--config", str(config), env={
         "TEST_MASTER": MASTER, "TEST_STATIC": STATIC, "DB_DIR": str(folder), "JUDGE": ups["JUDGE"].url,
-        "UP": ups["UP"].url, "DEAD": ups["DEAD"].url})
+        "UP": ups["UP"].url, "DEAD": ups["DEAD"].url, "CHAT": ups["CHAT"].url})
     yield running
     running.stop()
 
@@ -559,3 +582,174 @@ def test_managed_keys_carry_guardrails_checked_at_creation_and_applied_like_a_st
     assert e.value.code == "guardrail_blocked"
     rows = audit_rows(accounted, 1, user_path="/managed", status="400")
     assert rows and all(r["key_id"] == guarded["id"] and "forbidden=block" in r["guardrail"] for r in rows)
+
+
+# --------------------------------------------------------------- chat traffic: usage, rate limits, budgets
+
+
+def chat_cost(input_tokens: int, output_tokens: int) -> float:
+    """chat-priced's price: $2 per million input tokens, $8 per million output tokens."""
+    return (input_tokens * 2.0 + output_tokens * 8.0) / 1e6
+
+
+def test_usage_is_read_from_json_answers_and_from_events_however_the_chunks_fall():
+    from decisiond.gateway.passthrough import UsageMeter
+
+    def chunks(data: bytes, size: int) -> list[bytes]:
+        return [data[i:i + size] for i in range(0, len(data), size)]
+
+    events = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in (
+        {"choices": [{"delta": {"content": 'say "usage"'}}], "usage": None},
+        {"choices": [], "model": "gpt-6-0613", "usage": STREAM_USAGE})) + b"data: [DONE]\n\n"
+    responses = b"".join(f"event: {name}\r\ndata: {json.dumps({'type': name, **data})}\r\n\r\n".encode()
+                         for name, data in filter(None, responses_events("gpt-6")))
+    answer = json.dumps({"id": "c1", "model": "gpt-6", "usage": {**CHAT_USAGE, "cost": 0.5}}).encode()
+    for size in (1, 7, 64, 100_000):
+        meter = UsageMeter("text/event-stream; charset=utf-8")
+        for chunk in chunks(events, size):
+            meter.feed(chunk)
+        meter.finish()
+        assert meter.usage is not None and meter.model == "gpt-6-0613"
+        assert (meter.usage.input_tokens, meter.usage.output_tokens) == (7, 2)
+
+        meter = UsageMeter("text/event-stream")
+        for chunk in chunks(responses, size):
+            meter.feed(chunk)
+        meter.finish()
+        assert meter.usage is not None and (meter.usage.input_tokens, meter.usage.output_tokens) == RESPONSES_USAGE
+
+        meter = UsageMeter("application/json")
+        for chunk in chunks(answer, size):
+            meter.feed(chunk)
+        meter.finish()
+        assert meter.usage is not None and (meter.usage.input_tokens, meter.usage.output_tokens) == (12, 3)
+        assert meter.usage.cost == 0.5 and meter.document["id"] == "c1"
+    silent = UsageMeter("text/event-stream")
+    silent.feed(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+    silent.finish()
+    assert silent.usage is None
+
+
+def test_chat_and_responses_calls_leave_usage_rows_with_the_upstreams_tokens_and_their_cost(accounted, ups):
+    key = new_key(accounted, name="chatter", user_path="/team/chat")
+    client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)
+    ups["CHAT"].release.set()  # the streams below need not pause
+    ids = {}
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat-priced", messages=[{"role": "user", "content": "I want a refund"}])
+    assert raw.parse().usage.prompt_tokens == 12 and raw.headers["x-decisiond-guardrail"] == "warn; name=words"
+    ids["chat"] = raw.headers["x-request-id"]
+    raw = client.responses.with_raw_response.create(model="chat-priced", input="Say hello")
+    assert raw.parse().output_text == "Hello"
+    ids["responses"] = raw.headers["x-request-id"]
+    with client.chat.completions.with_streaming_response.create(
+            model="chat-priced", stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "Say hello"}]) as streamed:
+        chunks = list(streamed.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+    assert chunks[-1].usage.completion_tokens == STREAM_USAGE["completion_tokens"]
+    ids["streamed chat"] = streamed.headers["x-request-id"]
+    with client.responses.with_streaming_response.create(model="chat-priced", stream=True,
+                                                         input="Say hello") as streamed:
+        events = list(streamed.parse())
+    assert events[-1].type == "response.completed"
+    ids["streamed responses"] = streamed.headers["x-request-id"]
+    with client.chat.completions.with_streaming_response.create(  # no include_usage: the upstream reports none
+            model="chat-priced", stream=True, messages=[{"role": "user", "content": "Say hello"}]) as streamed:
+        assert len(list(streamed.parse())) == 3
+    ids["uncounted"] = streamed.headers["x-request-id"]
+
+    rows = {r["request_id"]: r for r in audit_rows(accounted, 5, user_path="/team/chat")}
+    expected = {"chat": ("chat", 12, 3), "responses": ("responses", *RESPONSES_USAGE),
+                "streamed chat": ("chat", STREAM_USAGE["prompt_tokens"], STREAM_USAGE["completion_tokens"]),
+                "streamed responses": ("responses", *RESPONSES_USAGE), "uncounted": ("chat", 0, 0)}
+    for name, (kind, input_tokens, output_tokens) in expected.items():
+        row = rows[ids[name]]
+        assert (row["request_type"], row["input_tokens"], row["output_tokens"]) == (kind, input_tokens,
+                                                                                   output_tokens), name
+        assert row["cost"] == pytest.approx(chat_cost(input_tokens, output_tokens)), name
+        assert row["key_id"] == key["id"] and row["status"] == 200 and row["error_code"] is None
+        assert (row["requested_model"], row["provider"], row["model"], row["upstream_model"]) == (
+            "chat-priced", "chat", "chat-priced", "gpt-6")
+        assert row["dialect"] == "openai_" + ("chat_completions" if kind == "chat" else "responses")
+        assert row["latency_ms"] > 0 and row["outcomes"]["budget"] == "ok"
+    assert rows[ids["chat"]]["guardrail"].startswith("words=warn")
+    assert rows[ids["uncounted"]]["outcomes"]["usage"] == "not reported by the upstream"
+
+    summary = admin(accounted, "GET", "/admin/usage/summary",
+                    params={"group_by": "request_type", "user_path": "/team/chat"}).json()["data"]
+    assert summary == [
+        {"request_type": "chat", "requests": 3, "input_tokens": 19, "output_tokens": 5,
+         "cost_usd": pytest.approx(chat_cost(19, 5))},
+        {"request_type": "responses", "requests": 2, "input_tokens": 10, "output_tokens": 4,
+         "cost_usd": pytest.approx(chat_cost(10, 4))}]
+    only = audit_rows(accounted, 2, request_type="responses", key=key["id"])
+    assert {r["request_id"] for r in only} == {ids["responses"], ids["streamed responses"]}
+
+
+def test_a_rate_limited_key_gets_429_on_chat_and_the_upstream_is_not_called(accounted, ups):
+    key = new_key(accounted, name="one-a-minute", user_path="/team/limited", rate_limits={"requests_per_minute": 1})
+    client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)
+    client.chat.completions.create(model="chat-priced", messages=[{"role": "user", "content": "hi"}])
+    calls = len(ups["CHAT"].seen)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="chat-priced", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "rate_limit_exceeded" and int(e.value.response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.RateLimitError):
+        client.responses.create(model="chat-priced", input="hi")
+    assert len(ups["CHAT"].seen) == calls
+    refused = audit_rows(accounted, 2, key=key["id"], status="429")
+    assert len(refused) == 2 and {r["request_type"] for r in refused} == {"chat", "responses"}
+    assert all(r["outcomes"]["rate_limit"] == "refused: rate_limit_exceeded" and r["cost"] == 0 for r in refused)
+
+
+def test_a_key_over_its_budget_is_refused_on_chat_and_the_upstream_is_not_called(accounted, ups):
+    key = new_key(accounted, name="thrifty", user_path="/team/thrifty")
+    # Room for one call's estimate (a few input tokens) but not for what it really costs (12 in, 3 out).
+    budget = admin(accounted, "PUT", "/admin/budgets", json={"key": key["id"], "limit_usd": 0.00003, "period": "daily"})
+    assert budget.status_code == 200, budget.text
+    client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)
+    client.chat.completions.create(model="chat-priced", messages=[{"role": "user", "content": "hi"}])
+    spent = {b["id"]: b for b in admin(accounted, "GET", "/admin/budgets").json()["data"]}[budget.json()["id"]]
+    assert spent["spent_usd"] == pytest.approx(chat_cost(12, 3)) and spent["reserved_usd"] == 0
+
+    calls = len(ups["CHAT"].seen)
+    for call in (lambda: client.chat.completions.create(model="chat-priced", messages=[
+                     {"role": "user", "content": "hi"}]),
+                 lambda: client.chat.completions.create(model="chat-priced", stream=True, messages=[
+                     {"role": "user", "content": "hi"}]),
+                 lambda: client.responses.create(model="chat-priced", input="hi")):
+        with pytest.raises(openai.APIStatusError) as e:
+            call()
+        assert e.value.status_code == 402 and e.value.code == "budget_exceeded"
+        assert e.value.body["type"] == "insufficient_quota" and "budget of key" in e.value.message
+    assert len(ups["CHAT"].seen) == calls
+    refused = audit_rows(accounted, 3, key=key["id"], status="402")
+    assert len(refused) == 3 and all(r["error_code"] == "budget_exceeded" for r in refused)
+
+
+def test_a_client_that_leaves_mid_stream_frees_what_its_request_held_and_is_recorded(accounted, ups):
+    key = new_key(accounted, name="leaver", user_path="/team/leaver", rate_limits={"concurrent": 1})
+    headers = {"Authorization": f"Bearer {key['key']}"}
+    ups["CHAT"].release.clear()
+    try:
+        with httpx.stream("POST", accounted.url + "/v1/chat/completions", headers=headers, timeout=30, json={
+                "model": "chat-priced", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}) as r:
+            assert r.status_code == 200
+            first = next(line for line in r.iter_lines() if line.startswith("data:"))
+            assert "Hel" in first  # the upstream still holds the rest back; the client leaves now
+        left = audit_rows(accounted, 1, key=key["id"])
+        assert len(left) == 1 and (left[0]["status"], left[0]["error_code"]) == (499, "client_closed_request")
+    finally:
+        ups["CHAT"].release.set()
+    client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)
+    assert client.chat.completions.create(model="chat-priced", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_every_request_type_is_a_choice_of_the_usage_command():
+    from decisiond.cli import build_parser
+    from decisiond.gateway.usage import REQUEST_TYPES
+
+    usage = next(a for a in build_parser()._subparsers._group_actions[0].choices["usage"]._actions
+                 if a.dest == "request_type")
+    assert tuple(usage.choices) == REQUEST_TYPES

@@ -556,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated: key, user_path, model, provider, request_type (default: model)")
     usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
     usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
-    usage_cmd.add_argument("--request-type", default=None, choices=["decisions", "system_one", "score", "guardrail"])
+    usage_cmd.add_argument("--request-type", default=None,  # usage.REQUEST_TYPES (a test keeps them equal)
+                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses"])
     usage_cmd.add_argument("--log-level", default="warning")
     usage_cmd.set_defaults(func=cmd_usage)
 

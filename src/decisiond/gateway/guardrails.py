@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..canonical import DecisionRequest, Json, Message, Part, Question, Text, ToolCall, ToolOutput
 from ..errors import DecisionError
+from .passthrough import ChatRequest
 from .pipeline import Context, Next
 
 __all__ = [
@@ -389,10 +390,15 @@ class GuardrailStage:
         self.guardrails = guardrails
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
-        if context.operation != "decide":
+        if context.operation == "score":
             return await call_next(context, request)
         configs = self.guardrails.for_request(context.resolved_model, context.caller.guardrails)
         if not configs:
+            return await call_next(context, request)
+        if isinstance(request, ChatRequest):  # the prompt messages' text, redactions written back into the body
+            texts, outcomes = await self.guardrails.run(configs, request.texts(), context.request_id)
+            verdict(outcomes, context.response_headers, context.outcomes)
+            request.apply(texts)
             return await call_next(context, request)
         texts, outcomes = await self.guardrails.run(configs, decision_texts(request), context.request_id)
         verdict(outcomes, context.response_headers, context.outcomes)

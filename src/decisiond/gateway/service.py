@@ -23,11 +23,13 @@ from .cache import CacheStage, ResponseCache
 from .config import GatewayConfig
 from .guardrails import GuardrailConfig, GuardrailSet, GuardrailStage, judge_question
 from .limits import RequestLimits
+from .passthrough import ChatRequest, ChatResult
+from .passthrough import forward as forward_chat
 from .pipeline import Context, Pipeline, Stage
 from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
 from .resolve import ResolveModel
 from .router import Gate, Router, Target
-from .usage import UsageRecord, UsageWriter
+from .usage import UsageRecord, UsageWriter, redact
 
 __all__ = ["Gateway"]
 
@@ -136,6 +138,12 @@ class Gateway:
             context.targets_tried.append(target.name)
             return self.limiter.gate(target.name, target.provider.name, tokens)
 
+        if context.operation == "chat":  # no failover: the chat target of the model, its own limits at its gate
+            assert isinstance(request, ChatRequest) and context.resolved_model is not None
+            target = self.router.chat_target(context.resolved_model)
+            chat: ChatResult = await forward_chat(request, target, gate(target))
+            self._priced(context, tried, chat.usage, "chat")
+            return chat
         if context.operation == "score":
             assert isinstance(request, ScoreRequest)
             score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
@@ -150,6 +158,38 @@ class Gateway:
     def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:
         if tried:
             context.answered_by, context.cost = _answered(tried, usage, provider_format)
+
+    def record(self, request_type: str, context: Context, status: int, error_code: str | None, result: Any,
+               document: Any, body: Any) -> None:
+        """Hand one request's usage record to the background writer (never waits, never fails the request; a no-op
+        without a database). ``request_type``: decisions, system_one, score, chat or responses; ``document`` and
+        ``body``: the request and response bodies, kept (redacted) only with ``audit.log_bodies``."""
+        if self.usage is None:
+            return
+        answered = isinstance(result, (DecisionResult, ChatResult))
+        usage = result.usage if answered else None
+        audit = self.config.audit
+        provider, model = context.answered_by or (None, None)
+        outcomes = dict(context.outcomes)
+        if isinstance(result, ChatResult) and not result.reported:
+            outcomes["usage"] = "not reported by the upstream"
+        try:
+            self.usage.submit(UsageRecord(
+                time=datetime.now(timezone.utc), request_id=context.request_id, key_id=context.caller.key_id,
+                user_path=context.caller.user_path, request_type=request_type, dialect=context.dialect,
+                requested_model=context.requested_model, resolved_model=context.resolved_model, provider=provider,
+                model=model, upstream_model=result.model if answered else None,
+                attempts=len(context.targets_tried), targets=list(context.targets_tried),
+                input_tokens=usage.input_tokens if usage is not None else getattr(result, "prompt_tokens", 0) or 0,
+                cached_tokens=usage.cached_tokens if usage is not None else 0,
+                output_tokens=usage.output_tokens if usage is not None else 0,
+                cost=context.cost or 0.0, status=status, error_code=error_code,
+                latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
+                guardrail=_guardrail_summary(outcomes), outcomes=outcomes or None,
+                request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
+                response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
+        except Exception:  # a record must never fail the request
+            log.exception("usage record not built", extra={"request_id": context.request_id})
 
     def _record_judge(self, guardrail: GuardrailConfig, request_id: str, name: str, tried: list[Target],
                       result: DecisionResult | None, failure: BaseException | None, started: float) -> None:
@@ -185,6 +225,12 @@ def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[
     target's price."""
     target = tried[-1]
     return (target.provider.name, target.name), pricing.cost(target.price, usage, provider_format)
+
+
+def _guardrail_summary(outcomes: dict[str, str]) -> str | None:
+    """``pii=redact (redacted email); words=warn`` from the guardrail stage's per-guardrail outcomes."""
+    parts = [f"{k.removeprefix('guardrail:')}={v}" for k, v in outcomes.items() if k.startswith("guardrail:")]
+    return "; ".join(parts)[:500] if parts else outcomes.get("guardrails")
 
 
 def _tracking(tried: list[Target]) -> Gate:
