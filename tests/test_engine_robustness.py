@@ -57,6 +57,7 @@ def blocked(scheduler: Scheduler) -> threading.Event:
 
 def test_a_job_cancelled_while_queued_is_dropped_and_its_batch_answers(tiny):
     engine = LocalEngine(tiny, max_wait_s=0.05)
+    engine.scheduler.abandon_grace_s = 0  # no wait for a retry to join
     release = blocked(engine.scheduler)
     jobs = [engine.scheduler.submit([[1, 2, 3 + i]], [[5, 6]]) for i in range(3)]
     assert jobs[1].future.cancel()
@@ -85,6 +86,7 @@ def test_a_job_cancelled_during_its_batch_never_fails_the_others(tiny):
 
 def test_cancelled_http_style_requests_leave_concurrent_ones_answered(tiny):
     engine = LocalEngine(tiny, max_wait_s=0.05)
+    engine.scheduler.abandon_grace_s = 0
 
     async def main():
         release = await asyncio.to_thread(blocked, engine.scheduler)

@@ -37,11 +37,12 @@ def document_prompts(n: int, doc: list[int] = DOCUMENT) -> list[list[int]]:
 class Stepper:
     """A stepped backend wrapper that counts passes, and can hold the worker after a given pass until released."""
 
-    def __init__(self, inner: TransformersBackend, hold_at: int | None = None):
+    def __init__(self, inner: TransformersBackend, hold_at: int | None = None, hold_again: int | None = None):
         self.inner, self.name, self.vocab_size = inner, inner.name, inner.vocab_size
         self.passes = 0
-        self.hold_at = hold_at
+        self.hold_at, self.hold_again = hold_at, hold_again
         self.held, self.release = threading.Event(), threading.Event()
+        self.held_again, self.release_again = threading.Event(), threading.Event()
 
     def score(self, groups):
         return self.inner.score(groups)
@@ -57,6 +58,9 @@ class Stepper:
             if self.passes == self.hold_at:
                 self.held.set()
                 assert self.release.wait(60)
+            if self.passes == self.hold_again:
+                self.held_again.set()
+                assert self.release_again.wait(60)
             yield tokens
 
     def describe(self):
@@ -187,7 +191,7 @@ def test_one_caller_of_a_joined_job_leaving_does_not_stop_it(tiny):
 
 def test_a_run_whose_callers_left_stops_between_passes(tiny):
     stepper = Stepper(backend(tiny), hold_at=2)
-    scheduler = Scheduler(stepper, max_batch_tokens=64, max_wait_s=0)
+    scheduler = Scheduler(stepper, max_batch_tokens=64, max_wait_s=0, abandon_grace_s=0)
     large = scheduler.submit(document_prompts(12), LABELS * 12)
     assert stepper.held.wait(60)
     assert large.future.cancel()
@@ -200,6 +204,25 @@ def test_a_run_whose_callers_left_stops_between_passes(tiny):
     assert scheduler.stats.cancelled == 1 and scheduler.queued_tokens == 0
     assert stepper.passes == 2  # stopped right after the pass it was in
     assert len(scheduler.submit([[1, 2, 3]], LABELS).future.result(60).logprobs) == 1  # the worker lives on
+
+
+def test_a_retry_after_its_client_gave_up_joins_the_work_already_done(tiny):
+    stepper = Stepper(backend(tiny), hold_at=2, hold_again=4)
+    scheduler = Scheduler(stepper, max_batch_tokens=64, max_wait_s=0, abandon_grace_s=60)
+    first = scheduler.submit(document_prompts(12), LABELS * 12)
+    assert stepper.held.wait(60)
+    assert first.future.cancel()  # the SDK's read timed out: its connection is gone
+    stepper.release.set()
+    # Nobody waits, yet the work goes on through the grace period (with no grace it would stop here) …
+    assert stepper.held_again.wait(30)
+    retry = scheduler.submit(document_prompts(12), LABELS * 12)  # … and the same bytes, sent again, join it
+    assert retry.job is first.job
+    stepper.release_again.set()
+    assert len(retry.future.result(60).logprobs) == 12
+    assert scheduler.stats.joined == 1 and scheduler.stats.cancelled == 0 and scheduler.stats.jobs == 1
+    alone = Stepper(backend(tiny))
+    Scheduler(alone, max_batch_tokens=64).submit(document_prompts(12), LABELS * 12).future.result(60)
+    assert stepper.passes == alone.passes  # nothing was computed twice
 
 
 TEAM = Question("choice", "team", (Text("Which team?"),), options=(Option("billing"), Option("technical")))
@@ -245,6 +268,7 @@ def held_engine(tiny) -> tuple[LocalEngine, Stepper]:
     engine = LocalEngine(tiny, max_batch_tokens=64, max_wait_s=0, prefix_cache_mb=0)
     stepper = Stepper(engine.backend, hold_at=2)  # type: ignore[arg-type]
     engine.backend = engine.scheduler.backend = stepper  # type: ignore[assignment]
+    engine.scheduler.abandon_grace_s = 0  # stop as soon as the caller has gone (the grace is tested on its own)
     return engine, stepper
 
 
@@ -262,7 +286,7 @@ def test_a_client_that_disconnects_stops_its_work(tiny):
             # The client gives up while the model is held in the middle of the request.
             httpx.post(server.url + "/v1/decisions", json=SGLANG_BODY, timeout=httpx.Timeout(60, read=1.0))
         assert stepper.held.is_set()
-        assert wait_for(lambda: engine.scheduler._running and all(j.gone for r in engine.scheduler._running
+        assert wait_for(lambda: engine.scheduler._running and all(j.left_at is not None for r in engine.scheduler._running
                                                                   for j in r.jobs))
         stepper.release.set()
         assert wait_for(lambda: engine.scheduler.stats.cancelled == 1)
@@ -284,7 +308,7 @@ def test_a_client_deadline_is_a_504_in_the_callers_dialect_and_stops_the_work(ti
                            for i in range(12)],
                 extra_headers={"x-decisiond-timeout-ms": "300"})
         assert e.value.status_code == 504 and e.value.body["code"] == "deadline_exceeded"
-        assert wait_for(lambda: engine.scheduler._running and all(j.gone for r in engine.scheduler._running
+        assert wait_for(lambda: engine.scheduler._running and all(j.left_at is not None for r in engine.scheduler._running
                                                                   for j in r.jobs))
         stepper.release.set()
         assert wait_for(lambda: engine.scheduler.stats.cancelled == 1)
@@ -295,6 +319,7 @@ def test_a_client_deadline_is_a_504_in_the_callers_dialect_and_stops_the_work(ti
 
 def test_a_request_abandoned_while_being_prepared_is_never_computed(tiny):
     engine = LocalEngine(tiny, max_wait_s=0)
+    engine.scheduler.abandon_grace_s = 0
 
     async def main():
         task = asyncio.create_task(engine.decide_async(long_request()))

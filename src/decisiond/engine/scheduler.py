@@ -16,11 +16,14 @@ request with their label ids — and get a ``Ticket`` whose future yields the an
 3. **Interleaving.** Runs advance one forward pass at a time (``backend.steps``). The worker steps the run with the
    least work left, and every ``FAIR_EVERY``-th step the one that waited longest, so a small request arriving
    behind a long document is answered after a pass or two, and a long one still progresses under a stream of small
-   ones. Small runs are admitted at once; at most ``MAX_LARGE_RUNS`` runs larger than one pass are open together
-   (each holds the KV cache of its document).
+   ones. While more than one run is open, passes are cut to a quarter of ``max_batch_tokens`` (a backend with a
+   ``step_budget``), so what a small request waits for is one short pass. Small runs are admitted at once; at most
+   ``MAX_LARGE_RUNS`` runs larger than one pass are open together (each holds the KV cache of its document).
 4. **Cancellation.** A caller that gives up cancels its ticket's future (``asyncio`` does this when the HTTP
    handler is cancelled: client gone, deadline passed). A job whose callers have all gone is dropped while queued,
-   and a run whose jobs have all gone is stopped between passes. Cancelling never disturbs the other jobs of a run.
+   and a run whose jobs have all gone is stopped between passes — after ``ABANDON_GRACE_S``, so that the retry of
+   an SDK whose read timed out joins the work already done instead of starting over. Cancelling never disturbs the
+   other jobs of a run.
 
 An error in one job's results (non-finite log-probs) goes to that job only; an error of the backend itself goes to
 every job of the run, and the worker lives on. One thread does all model math (``call`` runs other model work
@@ -46,13 +49,21 @@ from ..limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
 from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
-__all__ = ["DEFAULT_MAX_WAIT_S", "FAIR_EVERY", "MAX_LARGE_RUNS", "Job", "Scheduler", "Stats", "Ticket"]
+__all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "FAIR_EVERY", "MAX_LARGE_RUNS",
+           "MIN_STEP_TOKENS", "Job", "Scheduler", "Stats", "Ticket"]
 
 log = logging.getLogger("decisiond.scheduler")
 
 DEFAULT_MAX_WAIT_S = 0.002
 FAIR_EVERY = 4
+# While other requests wait, a pass takes at most max_batch_tokens / CONTENDED_DIVISOR tokens (not under
+# MIN_STEP_TOKENS): what a waiting request may have to wait for before its own pass.
+CONTENDED_DIVISOR = 4
+MIN_STEP_TOKENS = 128
 MAX_LARGE_RUNS = 2
+# How long the work of a request whose callers have all gone goes on, waiting for a retry to join it (the TypeSafe
+# SDK retries a timed-out POST after about 0.5 s, then 1 s, with the same bytes).
+ABANDON_GRACE_S = 2.0
 # How long after its retry-after a refused request's reservation waits for the retry.
 RESERVATION_GRACE_S = 2.0
 # Until a rate is measured: tokens a second, for retry-after estimates.
@@ -66,7 +77,7 @@ class Job:
     size: int
     key: tuple[Any, ...]
     waiters: list[Future[Scored]] = field(default_factory=list)
-    gone: bool = False  # every caller has cancelled
+    left_at: float | None = None  # when its last caller cancelled (None while someone waits)
 
     @property
     def future(self) -> Future[Scored]:
@@ -125,7 +136,7 @@ class Stats:
 class Scheduler:
     def __init__(self, backend: Backend, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  max_wait_s: float = DEFAULT_MAX_WAIT_S, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
-                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS):
+                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS, abandon_grace_s: float | None = None):
         if max_queued_tokens < max_request_tokens:
             raise ValueError(f"max_queued_tokens ({max_queued_tokens}) must be at least max_request_tokens "
                              f"({max_request_tokens})")
@@ -134,6 +145,7 @@ class Scheduler:
         self.max_wait_s = max_wait_s
         self.max_request_tokens = max_request_tokens
         self.max_queued_tokens = max_queued_tokens
+        self.abandon_grace_s = ABANDON_GRACE_S if abandon_grace_s is None else abandon_grace_s
         self.stats = Stats()
         self.queued_tokens = 0  # admitted and not yet answered, dropped or stopped
         self.rate = _INITIAL_RATE  # tokens a second, measured over passes
@@ -172,6 +184,7 @@ class Scheduler:
             job = self._inflight.get(key)
             if job is not None:
                 self.stats.joined += 1
+                job.left_at = None  # a retry of a request its client gave up on: the work goes on
             else:
                 self._admit(key, size)
                 job = Job(Group(rows, [list(x) for x in labels]), size, key)
@@ -215,15 +228,17 @@ class Scheduler:
 
     def _cancelled(self, job: Job) -> None:
         with self._lock:
-            if job.gone or not all(f.cancelled() for f in job.waiters):
+            if job.left_at is not None or not all(f.cancelled() for f in job.waiters):
                 return
-            job.gone = True
-            if self._inflight.get(job.key) is job:  # a retry now starts afresh
-                del self._inflight[job.key]
-            if job in self._waiting:  # never started: its tokens are free at once
+            job.left_at = time.monotonic()
+            if self.abandon_grace_s <= 0 and job in self._waiting:  # never started: its tokens are free at once
                 self._waiting.remove(job)
                 self._release(job)
                 self.stats.cancelled += 1
+
+    def _expired(self, job: Job, now: float) -> bool:
+        """Every caller has gone, and no retry has joined within the grace period."""
+        return job.left_at is not None and now - job.left_at >= self.abandon_grace_s
 
     def _release(self, job: Job) -> None:
         self.queued_tokens -= job.size
@@ -259,9 +274,14 @@ class Scheduler:
                 while (left := deadline - time.monotonic()) > 0 and \
                         sum(j.size for j in self._waiting) < self.max_batch_tokens:
                     self._lock.wait(left)
+            now = time.monotonic()
+            for job in [j for j in self._waiting if self._expired(j, now)]:  # nobody waits: never started
+                self._waiting.remove(job)
+                self._release(job)
+                self.stats.cancelled += 1
             self._start_runs()
             for run in list(self._running):
-                if all(job.gone for job in run.jobs):  # nobody waits: stop between passes
+                if all(self._expired(job, now) for job in run.jobs):  # nobody waits: stop between passes
                     self._running.remove(run)
                     run.steps.close()
                     for job in run.jobs:
@@ -274,6 +294,10 @@ class Scheduler:
                 run = min(self._running, key=lambda r: r.last)
             else:
                 run = min(self._running, key=lambda r: (r.left, r.last))
+            if hasattr(self.backend, "step_budget"):  # short passes while others wait, full ones alone
+                contended = len(self._running) > 1 or bool(self._waiting)
+                self.backend.step_budget = max(MIN_STEP_TOKENS, self.max_batch_tokens // CONTENDED_DIVISOR) \
+                    if contended else self.max_batch_tokens
             return None, run
 
     def _start_runs(self) -> None:

@@ -9,10 +9,12 @@ How a batch of requests (groups) is computed, top to bottom:
    radix tree (``packing``), go into rows that all attend to it: a shared prefix of any length is computed once,
    whatever the row budget. The prefix always takes this path, even when prefix and tails would fit one row, so a
    request asked again gets bit-identical answers from the cached prefix (the tails see the same KV values).
-2. **Run the rows** in passes of at most ``max_batch_tokens`` padded tokens. Rows of different groups have
-   different pasts: each row's cached prefix is laid into a padded past of the longest one, and a 4-D mask lets
-   each token see its own row's past and its own prompt's earlier tokens; explicit positions put every token at
-   its place in its own prompt.
+   Prefill chunks and passes take at most ``step_budget`` tokens: ``max_batch_tokens``, or a quarter of it while
+   other requests wait, so that the scheduler can answer them between two short passes.
+2. **Run the rows** (tails packed to at most ``ROW_TOKENS``) in passes of at most ``step_budget`` padded tokens.
+   Rows of different groups have different pasts: each row's cached prefix is laid into a padded past of the
+   longest one, and a 4-D mask lets each token see its own row's past and its own prompt's earlier tokens; explicit
+   positions put every token at its place in its own prompt.
 3. **Read** the log-softmax over the full vocabulary at each prompt's last token, in float64.
 
 Models whose attention is not plain causal over the whole context (sliding windows, mixed layer types) take the
@@ -32,10 +34,13 @@ from ..backend import Group, Scored, Steps, run_steps
 from ..caches import PrefixCache, default_prefix_cache_bytes
 from ..packing import PackedRow, common_prefix, pack, split_rows
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "Stats", "TransformersBackend"]
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "ROW_TOKENS", "Stats", "TransformersBackend"]
 
 # On a CPU a forward pass over ~1,000 tokens is as efficient as it gets: larger batches only add latency and memory.
 DEFAULT_MAX_BATCH_TOKENS = 1024
+# Rows of question tails are packed to at most this many tokens, so that passes can be cut small (``step_budget``)
+# when other requests are waiting; uncontended, several rows still share one pass of ``max_batch_tokens``.
+ROW_TOKENS = 256
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, kv heads, tokens, head dim]
 
@@ -88,6 +93,9 @@ class TransformersBackend:
         sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
         self.packing = impl in ("sdpa", "eager") and layer_types == {"full_attention"} and not sliding
         self.bool_mask = impl == "sdpa"
+        # Padded tokens the next pass may take: ``max_batch_tokens``, or less while other requests wait (the
+        # scheduler sets it before each step).
+        self.step_budget = max_batch_tokens
         self.prefixes = PrefixCache(default_prefix_cache_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stats = Stats()
         self.description = description
@@ -117,7 +125,9 @@ class TransformersBackend:
             plans.append((yield from self._plan(i, g)))
         logprobs: list[dict[int, list[float]]] = [{} for _ in groups]
         rows = [r for plan in plans for r in plan.rows]
-        for batch in self._passes(rows):
+        while rows:
+            batch = self._next_pass(rows)
+            del rows[:len(batch)]
             for work, values in zip(batch, self._run(batch, [groups[w.group] for w in batch])):
                 logprobs[work.group].update(zip(work.members, values))
             yield sum(len(w.row) for w in batch)
@@ -145,7 +155,8 @@ class TransformersBackend:
             own = yield from self._prefill(tuple(prompt[:-1]), past, k)
             plan.rows.append(RowWork(index, pack([prompt], skip=len(prompt) - 1), [i], own, len(prompt) - 1))
             plan.computed += len(prompt) - k
-        rows = split_rows([prompts[i] for i in short], self.max_batch_tokens, skip=k) if short else []
+        rows = split_rows([prompts[i] for i in short], min(ROW_TOKENS, self.max_batch_tokens), skip=k) \
+            if short else []
         for members, row in rows:
             plan.rows.append(RowWork(index, row, [short[m] for m in members], past, k))
             plan.computed += len(row)
@@ -153,29 +164,29 @@ class TransformersBackend:
 
     def _prefill(self, tokens: tuple[int, ...], past: KV | None, start: int) -> Generator[int, None, KV]:
         """The KV cache of ``tokens``, given that of its first ``start`` tokens, computed in chunks (and cached)."""
-        for begin in range(start, len(tokens), self.max_batch_tokens):
-            end = min(begin + self.max_batch_tokens, len(tokens))
+        begin = start
+        while begin < len(tokens):
+            end = min(begin + self.step_budget, len(tokens))
             chunk = pack([tokens[:end]], skip=begin)
             work = RowWork(-1, chunk, [], past, begin, store=tokens[:end])
             past = self._forward([work], want_cache=True)[1][0]
             self.stats.prefill_tokens += end - begin
             yield end - begin
+            begin = end
         assert past is not None
         self.prefixes.put(tokens, past, _nbytes(past))
         return past
 
-    def _passes(self, rows: list[RowWork]) -> list[list[RowWork]]:
-        """Consecutive rows in passes of at most ``max_batch_tokens`` padded tokens (a longer row alone)."""
-        out: list[list[RowWork]] = []
-        for work in rows:
-            if out:
-                batch = out[-1]
-                width = max(len(work.row), *(len(w.row) for w in batch))
-                if (len(batch) + 1) * width <= self.max_batch_tokens:
-                    batch.append(work)
-                    continue
-            out.append([work])
-        return out
+    def _next_pass(self, rows: list[RowWork]) -> list[RowWork]:
+        """The first rows that fit one pass of ``step_budget`` padded tokens (a longer row alone)."""
+        batch = [rows[0]]
+        width = len(rows[0].row)
+        for work in rows[1:]:
+            width = max(width, len(work.row))
+            if (len(batch) + 1) * width > self.step_budget:
+                break
+            batch.append(work)
+        return batch
 
     def _run(self, batch: list[RowWork], groups: list[Group]) -> list[list[list[float]]]:
         """Label log-probs of every prompt of every row."""
