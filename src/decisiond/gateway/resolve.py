@@ -20,7 +20,7 @@ class ResolveModel:
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         if context.operation == "score":
-            context.resolved_model = self.router.local_target(request.model).name
+            context.resolved_model = self.router.score_target(request.model).name
         else:
             context.resolved_model = self.router.resolve_name(request.model, context.strict_model)
         return await call_next(context, request)
