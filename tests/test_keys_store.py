@@ -63,6 +63,10 @@ def test_create_verify_list_revoke(database_url):
             past = datetime.now(timezone.utc) - timedelta(seconds=1)
             old, old_key = await store.create("old", expires_at=past)
             assert (await store.verify(old_key)).status() == "expired"
+            assert old.guardrails == [] and old.public()["guardrails"] == []
+            guarded, guarded_key = await store.create("guarded", guardrails=["pii", "injection"])
+            assert (await store.verify(guarded_key)).guardrails == ["pii", "injection"]
+            assert (await store.get(guarded.id)).public()["guardrails"] == ["pii", "injection"]
         finally:
             await db.aclose()
 
@@ -89,6 +93,47 @@ def test_migrations_are_idempotent_and_versioned(database_url):
     config.set_main_option("script_location", str(MIGRATIONS))
     head = ScriptDirectory.from_config(config).get_current_head()
     assert head is not None and head >= "0002"
+
+    run(scenario())
+
+
+def test_keys_made_before_key_guardrails_migrate_without_any(database_url):
+    """A database at 0002 (keys without a guardrails column) upgraded to the head: its keys still verify, with no
+    guardrails; a downgrade drops the column again (SQLite copies the table)."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from decisiond.store.db import MIGRATIONS
+    from decisiond.store.db import database_url as async_url
+    from decisiond.store.keys import hash_secret
+
+    def migrate(connection, revision, down=False):
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        config.attributes["connection"] = connection
+        (command.downgrade if down else command.upgrade)(config, revision)
+
+    async def scenario():
+        engine = create_async_engine(async_url(database_url))
+        async with engine.begin() as conn:
+            await conn.run_sync(migrate, "0002")
+            await conn.execute(text(
+                "INSERT INTO api_keys (id, name, salt, secret_hash, user_path, created_at) "
+                "VALUES ('0123456789abcdef', 'old', '00', :hash, '/old', CURRENT_TIMESTAMP)"),
+                {"hash": hash_secret("00", "s3cret")})
+        await engine.dispose()
+        db = await Database.open(database_url)  # to the head
+        try:
+            record = await KeyStore(db).verify("dk-0123456789abcdef-s3cret")
+            assert record is not None and record.user_path == "/old" and record.guardrails == []
+            async with db.engine.begin() as conn:
+                await conn.run_sync(migrate, "0002", True)
+                columns = list((await conn.execute(text("SELECT * FROM api_keys"))).keys())
+            assert "guardrails" not in columns and "user_path" in columns
+        finally:
+            await db.aclose()
 
     run(scenario())
 
@@ -133,6 +178,20 @@ def test_keys_cli_creates_lists_and_revokes(tmp_path):
     assert "revoked" in cli("list").stdout
     assert cli("revoke", "nope").returncode == 1
     assert cli("create", "--name", "x", "--user-path", "bad").returncode == 2
+    # Guardrails are checked against the server's config: without one, no name is known.
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"database_url: {url}\nguardrails:\n  - {{name: pii, type: pii, action: redact}}\n")
+
+    def configured(*args):
+        return subprocess.run([sys.executable, "-m", "decisiond.cli", "keys", "--config", str(config), *args],
+                              capture_output=True, text=True, timeout=120)
+
+    unknown = configured("create", "--name", "g", "--guardrails", "pii,nope")
+    assert unknown.returncode == 2 and "'nope'" in unknown.stderr and "'pii'" in unknown.stderr
+    assert cli("create", "--name", "g", "--guardrails", "pii").returncode == 2
+    guarded = configured("create", "--name", "g", "--guardrails", "pii")
+    assert guarded.returncode == 0, guarded.stderr
+    assert json.loads(guarded.stdout)["guardrails"] == ["pii"]
 
     async def verify():
         db = await Database.open(url)

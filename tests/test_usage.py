@@ -235,7 +235,7 @@ def test_audit_filter_by_request_type_and_summary(gateway):
     following = httpx.get(gateway.url + "/admin/audit", headers=ADMIN,
                           params={"limit": 2, "before_id": page["next_before_id"]}).json()
     assert [r["id"] for r in page["data"] + following["data"]] == [r["id"] for r in everything[:4]]
-    bad = httpx.get(gateway.url + "/admin/audit", headers=ADMIN, params={"request_type": "chat"})
+    bad = httpx.get(gateway.url + "/admin/audit", headers=ADMIN, params={"request_type": "completions"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_type"
     after = bob_system_one(gateway)
     # System One: 120 input tokens at 0.042 and 20 output tokens at 1.0 per million, per request.

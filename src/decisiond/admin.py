@@ -1,7 +1,8 @@
 """The admin API (master key only), in OpenAI's error shape:
 
-- ``POST /admin/keys`` ``{name, user_path?, models?, rate_limits?, expires_at? | expires_in_seconds?}`` → 201 with
-  the key's record and, this once, its secret ``key``;
+- ``POST /admin/keys`` ``{name, user_path?, models?, rate_limits?, guardrails?, expires_at? | expires_in_seconds?}``
+  → 201 with the key's record and, this once, its secret ``key`` (``guardrails``: names of configured guardrails,
+  run on the key's requests on top of the model's; an unknown name → 400 naming it);
 - ``GET /admin/keys`` → the records, never a secret;
 - ``DELETE /admin/keys/{id}`` → the revoked record;
 - ``GET /admin/usage/summary`` and ``GET /admin/usage/daily`` ``?group_by=key,user_path,model,provider,request_type
@@ -47,6 +48,7 @@ self_service = APIRouter()
 
 ADMIN_BODY_LIMIT = 64 * 1024
 MAX_MODEL_PATTERNS = 100
+MAX_KEY_GUARDRAILS = 50
 
 
 class KeyCreate(StrictModel):
@@ -54,6 +56,7 @@ class KeyCreate(StrictModel):
     user_path: str = "/"
     models: list[str] | None = Field(default=None, max_length=MAX_MODEL_PATTERNS)
     rate_limits: RateLimitConfig | None = None
+    guardrails: list[str] = Field(default_factory=list, max_length=MAX_KEY_GUARDRAILS)
     expires_at: AwareDatetime | None = None
     expires_in_seconds: int | None = Field(default=None, ge=1)
 
@@ -102,11 +105,14 @@ async def create_key(request: Request) -> JSONResponse:
         store = await _store(request)
         payload = await read_payload(request, ADMIN_BODY_LIMIT)
         body = validate_body(KeyCreate, payload.document)
+        gateway: Gateway = request.app.state.gateway
+        gateway.guardrails.check_names(body.guardrails)
     except DecisionError as error:
         return _error(error)
     record, key = await store.create(
         body.name, body.user_path, body.models,
-        body.rate_limits.model_dump(exclude_defaults=True) if body.rate_limits is not None else None, body.expiry())
+        body.rate_limits.model_dump(exclude_defaults=True) if body.rate_limits is not None else None, body.expiry(),
+        list(dict.fromkeys(body.guardrails)))
     return JSONResponse({**record.public(), "key": key}, status_code=201)
 
 

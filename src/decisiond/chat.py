@@ -1,26 +1,24 @@
 """Guarded chat traffic: ``POST /v1/chat/completions`` and ``POST /v1/responses`` forwarded to OpenAI-shaped
-providers (``openai``, ``azure``) behind the same keys, allowlists, rate limits and prompt guardrails as decisions.
-The body goes upstream as sent (model replaced, redactions applied); the answer — server-sent events included —
-comes back as the upstream sends it, unbuffered. Errors are OpenAI-shaped."""
+providers (``openai``, ``azure``) through the gateway's pipeline, so behind the same keys, allowlists, rate limits,
+budgets and prompt guardrails as decisions, and with one usage record each (request type ``chat`` or
+``responses``) carrying the upstream's tokens and their cost. The body goes upstream as sent (model replaced,
+redactions applied); the answer — server-sent events included — comes back as the upstream sends it, unbuffered
+(``gateway.passthrough`` reads its usage on the way). Errors are OpenAI-shaped."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from .dialects import openai as openai_dialect
-from .errors import DecisionError, invalid, upstream_error
-from .gateway.allowlist import allowed
-from .gateway.auth import forbidden
-from .gateway.guardrails import verdict
-from .gateway.limits import CHARS_PER_TOKEN
-from .gateway.providers.openai import OpenAIProvider
+from .errors import ClientGone, DecisionError, invalid
+from .gateway.passthrough import ROUTES, ChatRequest, ChatResult, Relay, Slot
+from .gateway.pipeline import Context
 from .gateway.service import Gateway
 from .transport import read_payload
 
@@ -29,8 +27,6 @@ __all__ = ["prompt_slots", "router"]
 log = logging.getLogger("decisiond.chat")
 router = APIRouter()
 
-# (container, key): a place in the JSON body holding prompt text, so a redaction can be written back in place.
-Slot = tuple[Any, Any]
 _TEXT_PARTS = ("text", "input_text")
 
 
@@ -60,91 +56,108 @@ def prompt_slots(route: str, body: dict[str, Any]) -> list[Slot]:
     return slots
 
 
-def _error(error: DecisionError, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error(error: DecisionError, *header_sets: dict[str, str]) -> JSONResponse:
     status, body = openai_dialect.render_error(error)
-    return JSONResponse(body, status_code=status, headers={**(headers or {}), **error.headers} or None)
+    headers = {k: v for h in (*header_sets, error.headers) for k, v in h.items()}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+INTERNAL_ERROR = DecisionError("Internal server error.", code="internal_error", status=500, type="server_error")
+
+
+def _parse(route: str, document: Any, relay: Relay) -> ChatRequest:
+    if not isinstance(document, dict):
+        raise invalid("The request body must be a JSON object.")
+    model = document.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required", "model", code="missing_required_parameter")
+    return ChatRequest(route, document, model, prompt_slots(route, document), relay)
+
+
+async def _run(gateway: Gateway, route: str, context: Context, document: Any, relay: Relay,
+               fields: dict[str, Any]) -> ChatResult:
+    """The request through the gateway's pipeline — until its answer has passed to the client — then its usage
+    record, whatever happened (an error, the client gone)."""
+    status: int = 500
+    code: str | None = INTERNAL_ERROR.code
+    result: ChatResult | None = None
+    body: Any = None
+    try:
+        request = _parse(route, document, relay)
+        fields["model"] = request.model
+        answered = await gateway.pipeline.run(context, request)
+        assert isinstance(answered, ChatResult)
+        result = answered
+        status, code, body = result.status, None, result.document
+        return result
+    except DecisionError as error:
+        status, body = openai_dialect.render_error(error)
+        code = error.code
+        raise
+    except asyncio.CancelledError:  # the client went away while the answer streamed
+        status, code = ClientGone.status, ClientGone.code
+        raise
+    except Exception:
+        log.exception("unhandled error", extra={"request_id": context.request_id})
+        raise
+    finally:
+        gateway.record(ROUTES[route], context, status, code, result, document, body)
+
+
+class _Relayed(StreamingResponse):
+    """The upstream's answer as it comes. When the client leaves before its end, the request's work is cancelled
+    (the upstream connection closed, what the stages hold released, the record written with 499); at the end, the
+    response waits for the stages to settle and the record to be handed over."""
+
+    def __init__(self, relay: Relay, work: asyncio.Task[ChatResult], headers: dict[str, str]):
+        super().__init__(relay.chunks(), status_code=relay.status, headers=headers,
+                         media_type=relay.headers.get("content-type", "application/json"))
+        self.relay, self.work = relay, work
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.relay.closed:
+                self.work.cancel()
+            await asyncio.wait({self.work})
+            if not self.work.cancelled() and self.work.exception() is not None:
+                log.warning("chat answer ended early", extra={"error": str(self.work.exception())[:300]})
 
 
 async def forward(request: Request, route: str) -> Response:
     gateway: Gateway = request.app.state.gateway
     settings = request.app.state.settings
     fields = request.state.log
-    fields["dialect"] = "openai_" + route.replace("/", "_")
-    headers: dict[str, str] = {}
+    fields["dialect"] = dialect = "openai_" + route.replace("/", "_")
     try:
         caller = await gateway.auth.authenticate(request.headers)
+        if caller.key_id is not None:
+            fields["key_id"] = caller.key_id
+        fields["user_path"] = caller.user_path
         payload = await read_payload(request, settings.max_body_bytes, settings.body_read_timeout)
-        body = payload.document
-        if not isinstance(body, dict):
-            raise invalid("The request body must be a JSON object.")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise invalid("model is required", "model", code="missing_required_parameter")
-        fields["model"] = model
-        target = gateway.router.chat_target(model)
-        if not allowed(gateway.router, caller, model):
-            raise forbidden(f"this API key may not use model {model!r}", "model", code="model_not_allowed")
-        slots = prompt_slots(route, body)
-        texts = tuple(str(c[k]) for c, k in slots)
-        tokens = math.ceil(sum(len(t) for t in texts) / CHARS_PER_TOKEN)
-        scopes = gateway.limiter.caller_scopes(caller) + gateway.limiter.target_scopes(target.name,
-                                                                                      target.provider.name)
-        admission = await gateway.limiter.admit(scopes, tokens)
-        headers.update(admission.headers)
     except DecisionError as error:
         fields["error_code"] = error.code
-        return _error(error, headers)
+        return _error(error)
+    context = Context(request.state.request_id, "chat", dialect, caller, request_headers=request.headers)
+    relay = Relay()
+    work = asyncio.create_task(_run(gateway, route, context, payload.document, relay, fields))
+    started = asyncio.ensure_future(relay.started.wait())
     try:
-        configs = gateway.guardrails.for_request(model, caller.guardrails)
-        if configs:
-            outcomes: dict[str, str] = {}
-            redacted, results = await gateway.guardrails.run(configs, texts)
-            try:
-                verdict(results, headers, outcomes)
-            finally:
-                fields["guardrails"] = outcomes
-            for (container, key), text in zip(slots, redacted):
-                container[key] = text
-        provider = target.provider
-        assert isinstance(provider, OpenAIProvider)
-        upstream = await provider.forward(route, body, target.upstream)
-    except DecisionError as error:
-        await admission.release()
-        fields["error_code"] = error.code
-        return _error(error, headers)
-    if upstream.status_code >= 400:
-        text = (await upstream.aread()).decode(errors="replace")
-        await upstream.aclose()
-        await admission.release()
-        kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
-        failed = upstream_error(provider.name, upstream.status_code, _message(text), kept, secrets=provider.secrets)
-        fields["error_code"] = failed.code
-        return _error(failed, headers)
-    fields["provider"] = provider.name
-
-    async def relay() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        finally:
-            await upstream.aclose()
-            await admission.release()
-
-    kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "x-request-id")}
-    if "x-request-id" in kept:
-        headers["x-upstream-request-id"] = kept.pop("x-request-id")
-    return StreamingResponse(relay(), status_code=upstream.status_code, headers={**headers, **kept},
-                             media_type=kept.get("content-type", "application/json"))
-
-
-def _message(text: str) -> str:
-    from .gateway.providers.base import error_message
-
-    try:
-        json.loads(text)
-    except ValueError:
-        return text.strip()[:512] or "(no body)"
-    return error_message(text)
+        await asyncio.wait({work, started}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        started.cancel()
+    if not relay.started.is_set():  # refused, or failed before the upstream answered
+        await asyncio.wait({work})
+        failure = work.exception() if not work.cancelled() else None
+        refusal = failure if isinstance(failure, DecisionError) else INTERNAL_ERROR
+        fields.update(error_code=refusal.code, outcomes=context.outcomes or None)
+        return _error(refusal, context.response_headers)
+    fields["provider"] = relay.provider
+    return _Relayed(relay, work, {**context.response_headers, **relay.headers})
 
 
 @router.post("/v1/chat/completions")

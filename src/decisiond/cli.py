@@ -278,9 +278,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import runner
 
     report = runner.run(model=args.model, tickets=args.tickets,
-                        question_sets=tuple(int(x) for x in args.questions.split(",")),
+                        question_sets=tuple(int(x) for x in args.questions.split(",") if x),
                         clients=tuple(int(x) for x in args.clients.split(",")),
                         naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
+                        fairness_blocks=args.fairness,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench"
     text = runner.markdown(report, args.command_line or command)
@@ -354,6 +355,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from datetime import datetime, timedelta, timezone
 
     from .gateway.config import ConfigError, RateLimitConfig, check_user_path
+    from .gateway.guardrails import unknown_guardrail
     from .gateway.service import DATABASE_URL_ENV
     from .store import Database, KeyStore
 
@@ -361,6 +363,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
         config = _load_config(args)
     except ConfigError as error:
         print(f"decisiond: {error}", file=sys.stderr)
+        return 2
+    guardrails = list(dict.fromkeys(g.strip() for g in (getattr(args, "guardrails", None) or "").split(",")
+                                    if g.strip()))
+    defined = [g.name for g in config.guardrails] if config else []
+    missing = unknown_guardrail(guardrails, defined)
+    if missing is not None:  # checked against the server's config, as the admin API checks them
+        print(f"decisiond: unknown guardrail {missing!r}; configured guardrails: "
+              f"{', '.join(repr(n) for n in defined) or 'none (give the server config with --config)'}",
+              file=sys.stderr)
         return 2
     import os
 
@@ -378,7 +389,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 record, key = await store.create(
                     args.name, check_user_path(args.user_path),
                     [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
-                    limits.model_dump(exclude_defaults=True) or None, expires)
+                    limits.model_dump(exclude_defaults=True) or None, expires, guardrails)
                 print(json.dumps({**record.public(), "key": key}, indent=2))
                 print("The key is shown once; store it now.", file=sys.stderr)
             elif args.action == "list":
@@ -545,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tpm", type=int, default=None, help="input tokens per minute")
     create.add_argument("--concurrent", type=int, default=None, help="requests in flight")
     create.add_argument("--expires-in", type=int, default=None, metavar="SECONDS")
+    create.add_argument("--guardrails", default=None,
+                        help="comma-separated names of guardrails in --config's YAML, run on the key's requests")
     keys_sub.add_parser("list", help="list keys (never their secrets)")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("id")
@@ -557,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated: key, user_path, model, provider, request_type (default: model)")
     usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
     usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
-    usage_cmd.add_argument("--request-type", default=None, choices=["decisions", "system_one", "score"])
+    usage_cmd.add_argument("--request-type", default=None,  # usage.REQUEST_TYPES (a test keeps them equal)
+                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses"])
     usage_cmd.add_argument("--log-level", default="warning")
     usage_cmd.set_defaults(func=cmd_usage)
 
@@ -570,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--naive-tickets", type=int, default=None, help="run the naive loop on the first N tickets only")
     bench.add_argument("--long-documents", type=int, default=0,
                        help="also run N documents of ~2,000 tokens (5 questions each, then asked again; default 0)")
+    bench.add_argument("--fairness", type=int, default=0, metavar="BLOCKS",
+                       help="also time tiny requests alone and with a 50-question long-document request in flight, "
+                            "in BLOCKS alternating blocks of 20 (default 0: skip)")
     bench.add_argument("--out", default=None, help="write the markdown report here")
     bench.add_argument("--json", default=None, help="write the raw numbers here")
     bench.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ClientGone",
     "DecisionError",
     "FAILOVER_STATUSES",
     "Path",
@@ -45,6 +46,13 @@ class DecisionError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready (or, on chat routes, while it streamed)."""
+
+    status = 499  # nginx's "client closed request": only ever in logs and usage records
+    code = "client_closed_request"
 
 
 def openai_param(path: Path) -> str | None:

@@ -12,6 +12,8 @@ __all__ = [
     "BODY_READ_TIMEOUT_S",
     "CACHE_MAX_BYTES",
     "CACHE_TTL_S",
+    "CHAT_RELAY_CHUNKS",
+    "CHAT_USAGE_SCAN_BYTES",
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_DOCUMENT_DEPTH",
     "JSON",
@@ -118,3 +120,8 @@ AUDIT_PAGE_MAX = 1000
 # encoded answers one process keeps in memory (least recently used first out).
 CACHE_TTL_S = 3600
 CACHE_MAX_BYTES = 64 * 1024 * 1024
+# Chat traffic (``gateway.passthrough``): chunks of an answer waiting between the upstream and a slow client (the
+# upstream is read no faster than the client takes them), and the most of a JSON answer, or of one server-sent event
+# line, kept to read the usage from (a larger one passes through uncounted, logged).
+CHAT_RELAY_CHUNKS = 16
+CHAT_USAGE_SCAN_BYTES = 16 * 1024 * 1024

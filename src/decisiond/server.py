@@ -10,7 +10,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,12 +28,11 @@ from .dialects import score as score_dialect
 from .dialects import sglang as sglang_dialect
 from .dialects import systemone as systemone_dialect
 from .dialects.base import Dialect
-from .errors import DecisionError
+from .errors import ClientGone, DecisionError
 from .gateway.allowlist import allowed
 from .gateway.pipeline import Caller, Context
 from .gateway.router import Router
 from .gateway.service import Gateway
-from .gateway.usage import UsageRecord, redact
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_CLIENT_TIMEOUT_MS
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from .transport import read_payload
@@ -199,7 +197,7 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
             fields["cache"] = headers["x-cache"].lower()
         if isinstance(result, ScoreResult):
             fields["input_tokens"] = result.prompt_tokens
-        else:
+        elif isinstance(result, DecisionResult):
             fields.update(served_model=result.model, input_tokens=result.usage.input_tokens,
                           provider_format=result.provider_format)
             headers["x-decisiond-provider-format"] = result.provider_format
@@ -207,34 +205,28 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
             headers[COST_HEADER] = f"{context.cost:.10f}"
             fields["cost_usd"] = context.cost
         body = dialect.render(result, parsed)
-        _record(gateway, route, context, 200, None, result, document, body)
+        gateway.record(route.request_type, context, 200, None, result, document, body)
         return JSONResponse(body, headers=headers)
     except ClientGone:  # nobody reads the answer: its work was cancelled, and the record says so
         fields["error_code"] = ClientGone.code
-        _record(gateway, route, context, ClientGone.status, ClientGone.code, None, document, None)
+        gateway.record(route.request_type, context, ClientGone.status, ClientGone.code, None, document, None)
         return JSONResponse(None, status_code=ClientGone.status)
     except DecisionError as error:
         fields.update(error_code=error.code, outcomes=context.outcomes or None)
         status, rendered = dialect.render_error(error, document)
-        _record(gateway, route, context, status, error.code, None, document, rendered)
+        gateway.record(route.request_type, context, status, error.code, None, document, rendered)
         return _error_response((status, rendered), context.response_headers, error.headers)
     except Exception:  # a bug: answered in the caller's dialect, never with a traceback
         log.exception("unhandled error", extra={"request_id": context.request_id})
         fields["error_code"] = INTERNAL_ERROR.code
         rendered_error = dialect.render_error(INTERNAL_ERROR, document)
-        _record(gateway, route, context, rendered_error[0], INTERNAL_ERROR.code, None, document, rendered_error[1])
+        gateway.record(route.request_type, context, rendered_error[0], INTERNAL_ERROR.code, None, document,
+                       rendered_error[1])
         return _error_response(rendered_error)
 
 
 COST_HEADER = "x-decisiond-cost"
 TIMEOUT_HEADER = "x-decisiond-timeout-ms"
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-    status = 499  # nginx's "client closed request": only ever in logs and usage records
-    code = "client_closed_request"
 
 
 def client_timeout(request: Request) -> float | None:
@@ -279,39 +271,6 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the body is already read: the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _record(gateway: Gateway, route: DecisionRoute, context: Context, status: int, error_code: str | None,
-            result: Any, document: Any, body: Any) -> None:
-    """Hand the request's usage record to the background writer (never waits; no-op without a database)."""
-    if gateway.usage is None:
-        return
-    usage = result.usage if isinstance(result, DecisionResult) else None
-    audit = gateway.config.audit
-    provider, model = context.answered_by or (None, None)
-    try:
-        gateway.usage.submit(UsageRecord(
-            time=datetime.now(timezone.utc), request_id=context.request_id, key_id=context.caller.key_id,
-            user_path=context.caller.user_path, request_type=route.request_type, dialect=context.dialect,
-            requested_model=context.requested_model, resolved_model=context.resolved_model, provider=provider,
-            model=model, upstream_model=result.model if isinstance(result, DecisionResult) else None,
-            attempts=len(context.targets_tried), targets=list(context.targets_tried),
-            input_tokens=usage.input_tokens if usage is not None else getattr(result, "prompt_tokens", 0) or 0,
-            cached_tokens=usage.cached_tokens if usage is not None else 0,
-            output_tokens=usage.output_tokens if usage is not None else 0,
-            cost=context.cost or 0.0, status=status, error_code=error_code,
-            latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
-            guardrail=_guardrail_summary(context.outcomes), outcomes=dict(context.outcomes) or None,
-            request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
-            response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
-    except Exception:  # a record must never fail the request
-        log.exception("usage record not built", extra={"request_id": context.request_id})
-
-
-def _guardrail_summary(outcomes: dict[str, str]) -> str | None:
-    """``pii=redact (redacted email); words=warn`` from the guardrail stage's per-guardrail outcomes."""
-    parts = [f"{k.removeprefix('guardrail:')}={v}" for k, v in outcomes.items() if k.startswith("guardrail:")]
-    return "; ".join(parts)[:500] if parts else outcomes.get("guardrails")
 
 
 def _endpoint(route: DecisionRoute) -> Callable[[Request], Any]:

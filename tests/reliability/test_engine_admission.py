@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -14,8 +15,10 @@ import openai
 import pytest
 import uvicorn
 from servers import free_port
+from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
 from decisiond.canonical import DecisionRequest, Message, Option, Question, Text
+from decisiond.engine import scheduler as scheduler_module
 from decisiond.engine.backends.transformers import TransformersBackend
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.scheduler import Scheduler
@@ -89,16 +92,38 @@ def test_a_full_queue_is_a_503_with_retry_after_and_frees_up_as_work_finishes(ti
     scheduler = Scheduler(backend(tiny), max_request_tokens=450, max_queued_tokens=600)
     release = blocked(scheduler)
     first = scheduler.submit(document_prompts(10), LABELS * 10)  # 430 tokens queued
+    large = (document_prompts(10, list(range(600, 1000))), LABELS * 10)
     with pytest.raises(DecisionError) as e:
-        scheduler.submit(document_prompts(10, list(range(600, 1000))), LABELS * 10)
+        scheduler.submit(*large)
     assert e.value.status == 503 and e.value.code == "server_overloaded"
     assert "--max-queued-tokens" in e.value.message
     assert int(e.value.headers["retry-after-ms"]) >= 100 and int(e.value.headers["Retry-After"]) >= 1
-    small = scheduler.submit([[1, 2, 3]], LABELS)  # still fits: 433 of 600
+    # The refused request holds a reservation: a small one that would fit the room left is refused meanwhile,
+    # so a stream of small requests cannot starve the large one.
+    with pytest.raises(DecisionError, match="busy"):
+        scheduler.submit([[1, 2, 3]], LABELS)
+    release.set()
+    first.future.result(60)
+    assert wait_for(lambda: scheduler.queued_tokens == 0)
+    retried = scheduler.submit(*large)  # the retry (identical prompts) claims its reservation
+    small = scheduler.submit([[1, 2, 3]], LABELS)
+    retried.future.result(60), small.future.result(60)
+    assert scheduler.queued_tokens == 0 and scheduler.stats.refused == 2
+
+
+def test_a_reservation_nobody_claims_expires(tiny, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "RESERVATION_GRACE_S", 0.0)
+    scheduler = Scheduler(backend(tiny), max_request_tokens=450, max_queued_tokens=600)
+    scheduler.rate = 1e9  # retry-after at its floor, 100 ms
+    release = blocked(scheduler)
+    first = scheduler.submit(document_prompts(10), LABELS * 10)
+    with pytest.raises(DecisionError) as e:
+        scheduler.submit(document_prompts(10, list(range(600, 1000))), LABELS * 10)
+    assert e.value.headers["retry-after-ms"] == "100"
+    time.sleep(0.2)  # the refused client never came back
+    small = scheduler.submit([[1, 2, 3]], LABELS)
     release.set()
     first.future.result(60), small.future.result(60)
-    assert scheduler.queued_tokens == 0 and scheduler.stats.refused == 1
-    scheduler.submit(document_prompts(10, list(range(600, 1000))), LABELS * 10).future.result(60)
 
 
 def test_the_limits_must_be_consistent(tiny):
@@ -336,3 +361,49 @@ def test_an_allowed_request_template_is_the_one_rendered(tiny):
     assert own.answers[0].prompt_tokens != default.answers[0].prompt_tokens
     prepared = engine.prepare(with_template(OWN_TEMPLATE))
     assert "Please be brief." in prepared.questions[0].prompt.text
+
+
+# ------------------------------------------------------------------------------------------ back-pressure
+
+
+def job_size(engine: LocalEngine, document: dict) -> int:
+    from decisiond.dialects import sglang
+
+    prompts = [q.prompt.ids for q in engine.prepare(sglang.DIALECT.parse(document, {})).questions]
+    shared = len(os.path.commonprefix(prompts))
+    return shared + sum(len(p) - shared for p in prompts)
+
+
+@pytest.mark.parametrize("sdk", ["typesafe", "openai"])
+def test_both_sdks_honour_back_pressure_and_get_their_answer(tiny, sdk):
+    probe = LocalEngine(tiny)
+    size = job_size(probe, SGLANG_BODY)
+    engine = LocalEngine(tiny, max_batch_tokens=64, max_wait_s=0, prefix_cache_mb=0,
+                         max_request_tokens=size + 20, max_queued_tokens=size + 20)
+    stepper = Stepper(engine.backend, hold_at=2)  # type: ignore[arg-type]
+    engine.backend = engine.scheduler.backend = stepper  # type: ignore[assignment]
+    with InProcessServer(engine) as server:
+        big: list[httpx.Response] = []
+        first = threading.Thread(target=lambda: big.append(
+            httpx.post(server.url + "/v1/decisions", json=SGLANG_BODY, timeout=60)))
+        first.start()
+        assert stepper.held.wait(60)  # the queue is full while the model holds the first request
+        answers: list[float] = []
+
+        def ask() -> None:
+            if sdk == "typesafe":
+                with TypeSafeClient(base_url=server.url, api_key="unused", retry=RetryPolicy(max_retries=5)) as ts:
+                    answers.append(ts.system_one("The export fails.", {"urgent": Noul(instructions="Urgent?")})
+                                   .nouls["urgent"].noul)
+            else:
+                client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=5)
+                answers.append(client.decisions.create(model="tiny-random", input="The export fails.", questions=[
+                    {"type": "predicate", "name": "urgent", "instructions": "Urgent?"}]).answers[0].probability)
+
+        second = threading.Thread(target=ask)
+        second.start()
+        assert wait_for(lambda: engine.scheduler.stats.refused >= 1)  # a 503 with retry-after-ms went back
+        stepper.release.set()
+        first.join(60), second.join(60)
+        assert big[0].status_code == 200
+        assert len(answers) == 1 and 0 <= answers[0] <= 1

@@ -31,7 +31,15 @@ providers:
   - {name: hang, type: openai, base_url: "${HANG}/v1"}
   - {name: vision, type: systemone, base_url: "${S1GOOD}", images: true}
   - {name: local, type: local, model: "${TINY_DIR}", served_model_name: tiny-local}
+  - {name: r429, type: openai, base_url: "${R429}/v1"}
+  - {name: r529, type: systemone, base_url: "${R529}"}
+  - {name: drop, type: openai, base_url: "${DROP}/v1"}
 virtual_models:
+  - {name: r429-then-good, targets: [r429/x, good/gpt-6-luna]}
+  - {name: r529-then-good, targets: [r529/jev, good/gpt-6-luna]}
+  - {name: drop-then-good, targets: [drop/x, good/gpt-6-luna]}
+  - {name: wild-then-good, targets: [wild/jev, good/gpt-6-luna]}
+  - {name: stray-then-good, targets: [stray/x, good/gpt-6-luna]}
   - {name: bare-then-good, targets: [bare/jev, good/gpt-6-luna]}
   - {name: hang-then-good, targets: [hang/x, good/gpt-6-luna]}
   - {name: vision-then-good, targets: [vision/jev, good/gpt-6-luna]}
@@ -53,6 +61,10 @@ def ups():
                                                             "probabilities": [{"value": "legal", "probability": 1.0}]}]}),
         "ECHO": upstreams.status_server(401, {"error": {"message": f"Invalid API key provided: Bearer {UPSTREAM_KEY}"}}),
         "HANG": upstreams.hanging_server(20),
+        "R429": upstreams.status_server(429, {"error": {"message": "slow down", "type": "rate_limit_error"}},
+                                        {"retry-after": "1"}),
+        "R529": upstreams.status_server(529, {"detail": "overloaded"}),
+        "DROP": upstreams.dropping_server(),
     }
     yield servers
     for s in servers.values():
@@ -178,3 +190,59 @@ virtual_models:
                                                                             "HF_HUB_OFFLINE": "1",
                                                                             "HOME": str(tmp_path)})
     assert done.returncode == 2 and "local/tiny-lokal" in done.stderr
+
+
+# Models whose answers, when they come, can only be the good upstream's; and those that can never answer.
+RECOVERING = ["bare-then-good", "r429-then-good", "r529-then-good", "drop-then-good", "wild-then-good",
+              "stray-then-good", "hang-then-good", "good/gpt-6-luna"]
+NEVER = ["bare/jev", "wild/jev", "stray/x", "oai_missing/x", "empty/jev", "r429/x", "r529/jev", "drop/x"]
+
+
+def test_under_load_over_misbehaving_upstreams_no_answer_is_made_up(gateway):
+    """8 clients for 20 s over upstreams that hang, reset, 429, 529 and send malformed 200s: a chain with a good
+    target always answers, with exactly the good upstream's answer; a model that cannot answer gets an error in
+    OpenAI's shape with a failover status, never a 200."""
+    import random
+    import threading
+
+    questions = [TEAM, URGENT]
+    expected = [{"type": "choice", "choice": "billing", "p": [0.6, 0.4]}, {"type": "predicate", "p": 0.7}]
+    stop = time.monotonic() + 20
+    made_up: list[str] = []
+    counts = {"ok": 0, "refused": 0}
+    lock = threading.Lock()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            while time.monotonic() < stop:
+                model = rng.choice(RECOVERING + NEVER)
+                asked = rng.sample(questions, rng.randint(1, 2))
+                if model == "hang-then-good" and rng.random() < 0.7:
+                    continue  # each costs 4 s of waiting: a few are enough
+                r = http.post("/v1/decisions", json={"model": model, "input": "I was charged twice.",
+                                                     "questions": asked})
+                with lock:
+                    if r.status_code == 200:
+                        counts["ok"] += 1
+                        answers = r.json()["answers"]
+                        want = [expected[questions.index(q)] for q in asked]
+                        got = [{"type": a["type"], "choice": a["choice"],
+                                "p": [p["probability"] for p in a["probabilities"]]} if a["type"] == "choice"
+                               else {"type": a["type"], "p": a["probability"]} for a in answers]
+                        if model in NEVER or got != want:
+                            made_up.append(f"{model}: {answers}")
+                    else:
+                        counts["refused"] += 1
+                        error = r.json().get("error", {})
+                        if model in RECOVERING or r.status_code not in (429, 502, 503, 504) or \
+                                not error.get("message"):  # a lost answer, or an error that is not one
+                            made_up.append(f"{model}: {r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not made_up, made_up[:5]
+    assert counts["ok"] > 50 and counts["refused"] > 50

@@ -174,6 +174,46 @@ async def _clients(url: str, bodies: list[dict[str, Any]], clients: int, probe_h
         return seconds, latencies, health
 
 
+async def _fairness(url: str, tiny: list[dict[str, Any]], large: list[dict[str, Any]], blocks: int,
+                    log: Callable[[str], None]) -> dict[str, list[float]]:
+    """Tiny requests one after another, in alternating blocks: alone, then while a client keeps a 50-question
+    long-document request in flight (a new document each time, so the prefix cache cannot shorten it)."""
+    import httpx
+
+    out: dict[str, list[float]] = {"alone": [], "during": [], "large": []}
+    per_block = max(1, len(tiny) // (2 * blocks))
+    bodies = iter(tiny)
+    documents = iter(large)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def post(body: dict[str, Any], into: list[float]) -> None:
+            t = time.perf_counter()
+            r = await client.post(url + "/v1/decisions", json=body, headers=NO_STORE)
+            r.raise_for_status()
+            into.append(time.perf_counter() - t)
+
+        for block in range(blocks):
+            log(f"[fairness] block {block + 1}/{blocks}: {per_block} tiny requests alone, then as many with a "
+                "50-question document in flight …")
+            for _ in range(per_block):
+                await post(next(bodies), out["alone"])
+            stop = asyncio.Event()
+            started = asyncio.Event()
+
+            async def keep_large() -> None:
+                while not stop.is_set() and (document := next(documents, None)) is not None:
+                    started.set()
+                    await post(document, out["large"])
+
+            task = asyncio.create_task(keep_large())
+            await started.wait()
+            await asyncio.sleep(0.5)  # the large request is prepared and computing
+            for _ in range(per_block):
+                await post(next(bodies), out["during"])
+            stop.set()
+            await task
+    return out
+
+
 CACHE_MISS = "response cache: miss (first ask), HTTP 1 client"
 CACHE_HIT = "response cache: hit (same request again), HTTP 1 client"
 
@@ -304,7 +344,8 @@ AGAIN = "2K doc, asked again"
 
 def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ...] = (3, 10),
         clients: tuple[int, ...] = (1, 4, 16), naive_tickets: int | None = None, dtype: str = "float32",
-        long_documents: int = 0, note: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
+        long_documents: int = 0, fairness_blocks: int = 0, note: str = "",
+        log: Callable[[str], None] = print) -> dict[str, Any]:
     from ..engine.model import load
 
     loaded = load(model, dtype=dtype)
@@ -385,6 +426,18 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
         measure(FIRST, first, len(first), engine.decide, block=2)
         measure(AGAIN, again, len(again), engine.decide, block=2)
 
+    fairness: dict[str, list[float]] = {}
+    if fairness_blocks:
+        tiny = [workload.openai_body(r, "default") for r in workload.requests(40 * fairness_blocks, 1, seed=21)]
+        large = [workload.openai_body(r, "default")
+                 for r in workload.long_requests(20 * fairness_blocks, workload.MANY_QUESTIONS, seed=22)]
+        process, url = start_server(model, ["--dtype", dtype])
+        try:
+            fairness = asyncio.run(_fairness(url, tiny, large, fairness_blocks, log))
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
     for b in bounds.values():
         b["matmul_flops_per_s"] = rate.best
         b["seconds"] = b["flops"] / rate.best
@@ -393,6 +446,7 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
         "bounds": bounds,
         "agreement": agreement,
         "health_p99_s": health,
+        "fairness": fairness,
         "matmul_probes_gflops": [round(r / 1e9, 1) for r in rate.rates],
         "server_peak_rss_mb": server_rss,
         "bench_peak_rss_mb": peak_rss_mb(),
@@ -459,7 +513,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
     lines += [f"- p99 of `GET /health` while {k} post: **{v * 1000:.0f} ms**"
               for k, v in report.get("health_p99_s", {}).items()]
     lines += [
-        f"- server peak RSS (VmHWM): **{report['server_peak_rss_mb']:.0f} MB**; benchmark process (naive loop and "
+        f"- server peak RSS (VmHWM): **{report['server_peak_rss_mb'] or 0:.0f} MB**; benchmark process (naive loop and "
         f"in-process engine, one shared model): {report['bench_peak_rss_mb']:.0f} MB",
         "",
         "FLOP bound: 2 × non-embedding parameters × tokens that must be computed (each request's prompts as a radix "
@@ -474,6 +528,19 @@ def markdown(report: dict[str, Any], command: str) -> str:
     for name, b in report["bounds"].items():
         lines.append(f"| {name} | {b['unique_tokens']} | {b['targets']} | {b['flops']:.3g} | "
                      f"{b['matmul_flops_per_s'] / 1e9:.0f} | {b['seconds']:.1f} |")
+    if report.get("fairness"):
+        f = report["fairness"]
+        lines += ["", "Fairness: tiny requests (1 question, about 150 tokens) from one client over HTTP, in "
+                  "alternating blocks — alone, then while another client keeps a 50-question request on a new "
+                  "~2,000-token document in flight:", "",
+                  "| tiny requests | count | p50 (s) | p95 (s) | max (s) |", "|---|---:|---:|---:|---:|"]
+        for label, key in (("alone", "alone"), ("with a 50-question document in flight", "during")):
+            v = f[key]
+            lines.append(f"| {label} | {len(v)} | {_percentile(v, 0.5):.3f} | {_percentile(v, 0.95):.3f} | "
+                         f"{max(v):.3f} |")
+        ratio = _percentile(f["during"], 0.95) / _percentile(f["alone"], 0.95)
+        lines += ["", f"The 50-question requests meanwhile: {len(f['large'])}, p50 "
+                  f"{_percentile(f['large'], 0.5):.2f} s. p95 of tiny requests, in flight / alone: **{ratio:.2f}×**."]
     lines += ["", "Matmul rate probes (GFLOP/s), in run order: " +
               ", ".join(f"{x:.0f}" for x in report.get("matmul_probes_gflops", [])), ""]
     lines += ["Largest difference between the naive loop's and decisiond's probabilities (same tickets): " +

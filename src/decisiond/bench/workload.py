@@ -117,7 +117,7 @@ EXTRA = [
     _yes_no("bug", "The ticket reports a software bug."),
 ]
 
-QUESTION_SETS = {3: (TEAM, FRUSTRATION, URGENT), 10: (TEAM, FRUSTRATION, URGENT, *EXTRA)}
+QUESTION_SETS = {1: (URGENT,), 3: (TEAM, FRUSTRATION, URGENT), 10: (TEAM, FRUSTRATION, URGENT, *EXTRA)}
 
 
 def requests(count: int = 200, questions: int = 3, seed: int = 7) -> list[DecisionRequest]:
@@ -151,3 +151,11 @@ def long_requests(count: int, questions: Sequence[Question] = LONG_QUESTIONS, se
     rng = random.Random(seed)
     return [DecisionRequest((Message("user", (Text(document(rng)),)),), tuple(questions))
             for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------ fairness
+
+# 50 yes/no questions about one long document: the large request of the fairness workload.
+MANY_QUESTIONS = tuple(_yes_no(f"m{i}", f"Message {i % 13 + 1} asks about {topic}.")
+                       for i, topic in enumerate(["a refund", "an invoice", "a login problem", "an export",
+                                                  "a cancellation"] * 10))

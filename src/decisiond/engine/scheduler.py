@@ -6,7 +6,8 @@ request with their label ids — and get a ``Ticket`` whose future yields the an
 1. **Admission** (``submit``, in the caller's thread). A job's size is the tokens it makes the model compute
    after prefix sharing (its shared prefix once, plus each prompt's rest). Over ``max_request_tokens`` it is
    refused (400). When the tokens admitted and not yet computed would go over ``max_queued_tokens``, it is
-   refused with 503 and a ``retry-after-ms`` estimated from the measured rate, which both SDKs honour. A job
+   refused with 503 and a ``retry-after-ms`` estimated from the measured rate, which both SDKs honour; the first
+   request so refused keeps a reservation for its retry, so small requests cannot starve a large one. A job
    identical to one still queued or running (an SDK retry of a request whose first attempt timed out) joins it
    instead: one computation, every caller answered.
 2. **Batching.** The worker takes the oldest waiting job and, while their sizes stay within ``max_batch_tokens``,
@@ -52,6 +53,8 @@ log = logging.getLogger("decisiond.scheduler")
 DEFAULT_MAX_WAIT_S = 0.002
 FAIR_EVERY = 4
 MAX_LARGE_RUNS = 2
+# How long after its retry-after a refused request's reservation waits for the retry.
+RESERVATION_GRACE_S = 2.0
 # Until a rate is measured: tokens a second, for retry-after estimates.
 _INITIAL_RATE = 2000.0
 
@@ -140,6 +143,8 @@ class Scheduler:
         self._running: list[Run] = []
         self._inflight: dict[tuple[Any, ...], Job] = {}
         self._turn = 0
+        # (job key, size, expiry): the request refused first, whose retry is admitted before others.
+        self._reservation: tuple[tuple[Any, ...], int, float] | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -168,9 +173,7 @@ class Scheduler:
             if job is not None:
                 self.stats.joined += 1
             else:
-                if self.queued_tokens and self.queued_tokens + size > self.max_queued_tokens:
-                    self.stats.refused += 1
-                    raise self._overloaded(size)
+                self._admit(key, size)
                 job = Job(Group(rows, [list(x) for x in labels]), size, key)
                 self._inflight[key] = job
                 self.queued_tokens += size
@@ -188,9 +191,23 @@ class Scheduler:
             self._wake()
         return task.future.result()
 
-    def _overloaded(self, size: int) -> DecisionError:
-        wait_ms = int(min(60_000, max(100, 1000 * self.queued_tokens / max(self.rate, 1.0))))
-        return DecisionError(
+    def _admit(self, key: tuple[Any, ...], size: int) -> None:
+        """Room for ``size`` more tokens, or a 503. The first request refused for room holds a reservation until its
+        retry (the same prompts) comes back: others are admitted only into the room it leaves, so a large request
+        is not starved by a stream of small ones."""
+        now = time.monotonic()
+        held = self._reservation
+        if held is not None and (held[2] < now or held[0] == key):
+            self._reservation = held = None
+        room = self.max_queued_tokens - self.queued_tokens - (held[1] if held else 0)
+        if size <= room or not (self.queued_tokens or held):
+            return
+        self.stats.refused += 1
+        short = size - (self.max_queued_tokens - self.queued_tokens) if held is None else self.queued_tokens
+        wait_ms = int(min(60_000, max(100, 1000 * short / max(self.rate, 1.0))))
+        if held is None:
+            self._reservation = (key, size, now + wait_ms / 1000 + RESERVATION_GRACE_S)
+        raise DecisionError(
             f"the local model is busy: {self.queued_tokens:,} tokens of work are queued and this request adds "
             f"{size:,}, over this server's limit of {self.max_queued_tokens:,} (--max-queued-tokens); retry in "
             f"about {wait_ms / 1000:.1f} s", code="server_overloaded", status=503, type="api_error",

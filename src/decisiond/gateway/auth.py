@@ -97,7 +97,8 @@ class Authenticator:
             raise unauthorized(f"API key {record.id} expired at {record.expires_at:%Y-%m-%dT%H:%M:%SZ}.")
         return Caller(key_id=record.id, name=record.name, user_path=record.user_path,
                       models=tuple(record.models) if record.models is not None else None,
-                      rate_limits=RateLimitConfig.model_validate(record.rate_limits) if record.rate_limits else None)
+                      rate_limits=RateLimitConfig.model_validate(record.rate_limits) if record.rate_limits else None,
+                      guardrails=tuple(record.guardrails))
 
     async def _managed(self, key: str, digest: str) -> KeyRecord | None:
         if self.store is None:

@@ -291,7 +291,7 @@ class CacheStage:
     def plan(self, context: Context, request: Any) -> tuple[str, Target] | None:
         """The entry's key and the target that should answer, or None when this request is not cached."""
         name = context.resolved_model
-        if not self.cache.enabled or name is None:
+        if not self.cache.enabled or name is None or context.operation == "chat":  # chat answers are not cached
             return None
         if context.operation == "score":
             target: Target | None = self.router.score_target(name)

@@ -39,7 +39,7 @@ from pydantic import (
 )
 
 from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
-from .guardrails import GuardrailConfig
+from .guardrails import GuardrailConfig, unknown_guardrail
 from .pricing import Pricing, check_pricing
 
 __all__ = [
@@ -347,9 +347,9 @@ class GatewayConfig(BaseModel):
         for owner, names in [*((f"model {m.name!r}", m.guardrails) for m in self.models),
                              *((f"virtual model {v.name!r}", v.guardrails) for v in self.virtual_models),
                              *((f"key {k.name!r}", k.guardrails) for k in self.auth.keys)]:
-            unknown = [n for n in names if n not in defined]
-            if unknown:
-                raise ValueError(f"{owner} names unknown guardrail {unknown[0]!r}")
+            unknown = unknown_guardrail(names, defined)
+            if unknown is not None:
+                raise ValueError(f"{owner} names unknown guardrail {unknown!r}")
         return self
 
 

@@ -22,7 +22,7 @@ import asyncio
 import ipaddress
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..canonical import DecisionRequest, Json, Message, Part, Question, Text, ToolCall, ToolOutput
 from ..errors import DecisionError
+from .passthrough import ChatRequest
 from .pipeline import Context, Next
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "Outcome",
     "apply_texts",
     "decision_texts",
+    "unknown_guardrail",
 ]
 
 log = logging.getLogger("decisiond.guardrails")
@@ -94,7 +96,16 @@ class GuardrailConfig(BaseModel):
             raise ValueError(f"guardrail {self.name!r} (decision_judge) needs a model and instructions")
         if self.type == "decision_judge" and self.action == "redact":
             raise ValueError(f"guardrail {self.name!r}: a judge blocks or warns; it cannot redact")
+        from .config import check_user_path  # config imports this module
+
+        check_user_path(self.user_path)
         return self
+
+
+def unknown_guardrail(names: Iterable[str], defined: Collection[str]) -> str | None:
+    """The first of ``names`` that is not a configured guardrail, else None: models, virtual models and keys (static
+    or managed) may only name configured guardrails."""
+    return next((n for n in names if n not in defined), None)
 
 
 # ------------------------------------------------------------------------------------------------ texts
@@ -267,13 +278,14 @@ def _regex(config: GuardrailConfig, texts: Texts) -> Outcome:
     return Outcome(config.name, worst, f"matched {hits[0]!r}", tuple(out) if worst == "redact" else None)
 
 
-# A judge asks a decision model one question about one text; ``Judge`` is how the gateway lets it (the router).
-Judge = Callable[[GuardrailConfig, str], Awaitable[float]]
+# A judge asks a decision model one question about one text, on behalf of the request ``request_id`` (the gateway
+# records each call's usage under the guardrail's own user path); ``Judge`` is how the gateway lets it (the router).
+Judge = Callable[[GuardrailConfig, str, str], Awaitable[float]]
 
 
-async def _decision_judge(config: GuardrailConfig, texts: Texts, judge: Judge) -> Outcome:
+async def _decision_judge(config: GuardrailConfig, texts: Texts, judge: Judge, request_id: str) -> Outcome:
     unique = list(dict.fromkeys(t for t in texts if t.strip()))  # identical text is judged once
-    scores = await asyncio.gather(*(judge(config, t) for t in unique))
+    scores = await asyncio.gather(*(judge(config, t, request_id) for t in unique))
     worst = max(scores, default=0.0)
     if worst >= config.threshold:
         return Outcome(config.name, config.action, f"P(yes) = {worst:.3f} ≥ {config.threshold:g}")
@@ -296,15 +308,34 @@ class GuardrailSet:
     by_model: dict[str, list[str]] = field(default_factory=dict)
 
     def for_request(self, model: str | None, key_guardrails: Sequence[str] = ()) -> list[GuardrailConfig]:
+        """The model's guardrails, then the key's. A managed key may name a guardrail since removed from the config:
+        its requests are refused rather than sent on unguarded."""
+        missing = unknown_guardrail(key_guardrails, self.guardrails)
+        if missing is not None:
+            log.error("a key names a guardrail that is not configured; its requests are refused",
+                      extra={"guardrail": missing})
+            raise DecisionError(f"this API key is guarded by {missing!r}, which is not configured on this server; "
+                                "the request is refused rather than sent unguarded", code="guardrail_not_configured",
+                                status=500, type="server_error")
         names = list(dict.fromkeys([*self.by_model.get(model or "", []), *key_guardrails]))
-        return [self.guardrails[n] for n in names if n in self.guardrails]
+        return [self.guardrails[n] for n in names]
 
-    async def run(self, configs: list[GuardrailConfig], texts: Texts) -> tuple[Texts, list[Outcome]]:
-        """Orders in sequence, each order's guardrails concurrently; a block stops the run."""
+    def check_names(self, names: Sequence[str], param: str = "guardrails") -> None:
+        """400 naming the first of ``names`` that is not configured (a managed key's guardrails, at creation)."""
+        missing = unknown_guardrail(names, self.guardrails)
+        if missing is not None:
+            configured = ", ".join(repr(n) for n in self.guardrails) or "none"
+            raise DecisionError(f"unknown guardrail {missing[:100]!r}; configured guardrails: {configured}",
+                                (param, list(names).index(missing)), code="invalid_value")
+
+    async def run(self, configs: list[GuardrailConfig], texts: Texts,
+                  request_id: str = "") -> tuple[Texts, list[Outcome]]:
+        """Orders in sequence, each order's guardrails concurrently; a block stops the run. ``request_id``: the
+        request being guarded, named in the usage records of its judges' calls."""
         outcomes: list[Outcome] = []
         for order in sorted({c.order for c in configs}):
             batch = [c for c in configs if c.order == order]
-            results = await asyncio.gather(*(self._one(c, texts) for c in batch))
+            results = await asyncio.gather(*(self._one(c, texts, request_id) for c in batch))
             outcomes += results
             if any(o.action == "block" for o in results):
                 return texts, outcomes
@@ -312,13 +343,13 @@ class GuardrailSet:
             # redactors are pure and cheap) again over what the earlier ones left.
             redactors = [(c, o) for c, o in zip(batch, results) if o.action == "redact" and o.texts is not None]
             for i, (config, outcome) in enumerate(redactors):
-                redone = outcome if i == 0 else await self._check(config, texts)
+                redone = outcome if i == 0 else await self._check(config, texts, request_id)
                 texts = redone.texts if redone.texts is not None else texts
         return texts, outcomes
 
-    async def _one(self, config: GuardrailConfig, texts: Texts) -> Outcome:
+    async def _one(self, config: GuardrailConfig, texts: Texts, request_id: str) -> Outcome:
         try:
-            return await asyncio.wait_for(self._check(config, texts), config.timeout_ms / 1000)
+            return await asyncio.wait_for(self._check(config, texts, request_id), config.timeout_ms / 1000)
         except Exception as error:  # a timeout, a judge that is down, a bad answer
             reason = "timed out" if isinstance(error, asyncio.TimeoutError) else f"failed: {error}"
             log.warning("guardrail did not finish", extra={"guardrail": config.name, "reason": reason[:300],
@@ -327,14 +358,14 @@ class GuardrailSet:
                 return Outcome(config.name, "allow", f"{reason} (fail open)")
             return Outcome(config.name, "block", f"{reason} (fail closed)")
 
-    async def _check(self, config: GuardrailConfig, texts: Texts) -> Outcome:
+    async def _check(self, config: GuardrailConfig, texts: Texts, request_id: str) -> Outcome:
         if config.type == "regex":
             return _regex(config, texts)
         if config.type == "pii":
             return _pii(config, texts)
         if self.judge is None:
             raise RuntimeError("no decision model is wired to judge")
-        return await _decision_judge(config, texts, self.judge)
+        return await _decision_judge(config, texts, self.judge, request_id)
 
 
 def verdict(outcomes: list[Outcome], headers: dict[str, str], context_outcomes: dict[str, str]) -> None:
@@ -359,11 +390,16 @@ class GuardrailStage:
         self.guardrails = guardrails
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
-        if context.operation != "decide":
+        if context.operation == "score":
             return await call_next(context, request)
         configs = self.guardrails.for_request(context.resolved_model, context.caller.guardrails)
         if not configs:
             return await call_next(context, request)
-        texts, outcomes = await self.guardrails.run(configs, decision_texts(request))
+        if isinstance(request, ChatRequest):  # the prompt messages' text, redactions written back into the body
+            texts, outcomes = await self.guardrails.run(configs, request.texts(), context.request_id)
+            verdict(outcomes, context.response_headers, context.outcomes)
+            request.apply(texts)
+            return await call_next(context, request)
+        texts, outcomes = await self.guardrails.run(configs, decision_texts(request), context.request_id)
         verdict(outcomes, context.response_headers, context.outcomes)
         return await call_next(context, apply_texts(request, texts))

@@ -3,6 +3,11 @@ ordered chain of small stages between parsing and rendering.
 
     request limits → resolve model → allowlist → cache → rate limits → budgets → guardrails → route (failover)
 
+Chat traffic (``/v1/chat/completions``, ``/v1/responses``: operation ``chat``, a ``passthrough.ChatRequest``) runs
+through the same chain: request limits and the cache leave it alone, the other stages apply as to decisions, and
+the route forwards it; the chain returns once the answer has passed to the client, so the stages settle with the
+upstream's real usage.
+
 The cache sits before the rate limits so that an answer served from it costs no rate-limit tokens nor budget; its
 key covers the guardrails in force (they are deterministic functions of the request), so an entry is only ever
 an answer to what those guardrails let through.
@@ -26,15 +31,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 
+if TYPE_CHECKING:
+    from .passthrough import ChatRequest, ChatResult
+
 __all__ = ["Caller", "Context", "Next", "Pipeline", "Stage"]
 
-Operation = Literal["decide", "score"]
-Request = Union[DecisionRequest, ScoreRequest]
-Result = Union[DecisionResult, ScoreResult]
+Operation = Literal["decide", "score", "chat"]
+Request = Union[DecisionRequest, ScoreRequest, "ChatRequest"]
+Result = Union[DecisionResult, ScoreResult, "ChatResult"]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
   and the only price a provider that reports no tokens may have (a per-token price would make every call free);
 - decisions answered in OpenAI's format (OpenAI's Decisions API, Azure) are billed on input tokens only, all of
   them at the input rate: output, cache reads and cache writes are free, as in OpenAI's Decisions API;
-- any other answer (System One, local, ``/v1/score``): input tokens at the input rate — cached ones at
+- any other answer (System One, local, ``/v1/score``, chat traffic): input tokens at the input rate — cached ones at
   ``cached_input_per_mtok`` when it is set — plus output tokens at the output rate;
 - a long-context tier (``long_context: {above_tokens, input_per_mtok}``) sets the input rate of a request whose
   input tokens exceed ``above_tokens`` (the whole request, as providers bill it).

@@ -33,6 +33,7 @@ from ..errors import DecisionError, UpstreamError, upstream_error
 from . import limits as request_limits
 from .auth import in_subtree
 from .config import RateLimitConfig, UserPathLimit
+from .passthrough import ChatRequest
 from .pipeline import Caller, Context, Next
 
 __all__ = ["Admission", "RateLimitStage", "RateLimiter", "Scope", "rate_limited"]
@@ -339,7 +340,10 @@ def _unavailable(error: DecisionError, provider: str) -> UpstreamError:
     return upstream_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
 
 
-def estimated_tokens(request: DecisionRequest | ScoreRequest) -> int:
+def estimated_tokens(request: DecisionRequest | ScoreRequest | ChatRequest) -> int:
+    """A request's input tokens before the call, at 4 characters a token (chat: its prompt text)."""
+    if isinstance(request, ChatRequest):
+        return math.ceil(sum(len(t) for t in request.texts()) / request_limits.CHARS_PER_TOKEN)
     if isinstance(request, ScoreRequest):
         return sum(len(p) if isinstance(p, tuple) else math.ceil(len(p) / request_limits.CHARS_PER_TOKEN)
                    for p in request.prompts)

@@ -3,11 +3,17 @@ and the pipeline of stages in their one fixed order."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from typing import Any
 
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
+from ..errors import DecisionError
 from ..store import Database, KeyStore
 from . import pricing
 from .allowlist import Allowlist
@@ -17,11 +23,13 @@ from .cache import CacheStage, ResponseCache
 from .config import GatewayConfig
 from .guardrails import GuardrailConfig, GuardrailSet, GuardrailStage, judge_question
 from .limits import RequestLimits
+from .passthrough import ChatRequest, ChatResult
+from .passthrough import forward as forward_chat
 from .pipeline import Context, Pipeline, Stage
 from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
 from .resolve import ResolveModel
-from .router import Router, Target
-from .usage import UsageWriter
+from .router import Gate, Router, Target
+from .usage import UsageRecord, UsageWriter, redact
 
 __all__ = ["Gateway"]
 
@@ -98,12 +106,23 @@ class Gateway:
         if self.db is not None:
             await self.db.aclose()
 
-    async def _judge(self, guardrail: GuardrailConfig, text: str) -> float:
-        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names."""
+    async def _judge(self, guardrail: GuardrailConfig, text: str, request_id: str) -> float:
+        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call's
+        usage and cost go on a usage row of its own, under the guardrail's user path (not the caller's)."""
         request = DecisionRequest(input=(Message("user", (Text(text),)),), questions=(judge_question(guardrail),),
                                   model=guardrail.model)
         name = self.router.resolve_name(guardrail.model, strict=True)
-        result = await self.router.decide(request, name)
+        tried: list[Target] = []
+        started = time.perf_counter()
+        result: DecisionResult | None = None
+        failure: BaseException | None = None
+        try:
+            result = await self.router.decide(request, name, _tracking(tried))
+        except BaseException as error:  # recorded, then raised on to the guardrail's fail_mode
+            failure = error
+            raise
+        finally:
+            self._record_judge(guardrail, request_id, name, tried, result, failure, started)
         answer = result.answers[0]
         if answer.refusal:
             raise RuntimeError(f"the judge model {guardrail.model!r} did not answer")
@@ -119,6 +138,12 @@ class Gateway:
             context.targets_tried.append(target.name)
             return self.limiter.gate(target.name, target.provider.name, tokens)
 
+        if context.operation == "chat":  # no failover: the chat target of the model, its own limits at its gate
+            assert isinstance(request, ChatRequest) and context.resolved_model is not None
+            target = self.router.chat_target(context.resolved_model)
+            chat: ChatResult = await forward_chat(request, target, gate(target))
+            self._priced(context, tried, chat.usage, "chat")
+            return chat
         if context.operation == "score":
             assert isinstance(request, ScoreRequest)
             score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
@@ -131,9 +156,89 @@ class Gateway:
 
     @staticmethod
     def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:
-        """Attribute the answer to the target that gave it, and price it by that target's price."""
-        if not tried:
+        if tried:
+            context.answered_by, context.cost = _answered(tried, usage, provider_format)
+
+    def record(self, request_type: str, context: Context, status: int, error_code: str | None, result: Any,
+               document: Any, body: Any) -> None:
+        """Hand one request's usage record to the background writer (never waits, never fails the request; a no-op
+        without a database). ``request_type``: decisions, system_one, score, chat or responses; ``document`` and
+        ``body``: the request and response bodies, kept (redacted) only with ``audit.log_bodies``."""
+        if self.usage is None:
             return
-        target = tried[-1]
-        context.answered_by = (target.provider.name, target.name)
-        context.cost = pricing.cost(target.price, usage, provider_format)
+        answered = isinstance(result, (DecisionResult, ChatResult))
+        usage = result.usage if answered else None
+        audit = self.config.audit
+        provider, model = context.answered_by or (None, None)
+        outcomes = dict(context.outcomes)
+        if isinstance(result, ChatResult) and not result.reported:
+            outcomes["usage"] = "not reported by the upstream"
+        try:
+            self.usage.submit(UsageRecord(
+                time=datetime.now(timezone.utc), request_id=context.request_id, key_id=context.caller.key_id,
+                user_path=context.caller.user_path, request_type=request_type, dialect=context.dialect,
+                requested_model=context.requested_model, resolved_model=context.resolved_model, provider=provider,
+                model=model, upstream_model=result.model if answered else None,
+                attempts=len(context.targets_tried), targets=list(context.targets_tried),
+                input_tokens=usage.input_tokens if usage is not None else getattr(result, "prompt_tokens", 0) or 0,
+                cached_tokens=usage.cached_tokens if usage is not None else 0,
+                output_tokens=usage.output_tokens if usage is not None else 0,
+                cost=context.cost or 0.0, status=status, error_code=error_code,
+                latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
+                guardrail=_guardrail_summary(outcomes), outcomes=outcomes or None,
+                request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
+                response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
+        except Exception:  # a record must never fail the request
+            log.exception("usage record not built", extra={"request_id": context.request_id})
+
+    def _record_judge(self, guardrail: GuardrailConfig, request_id: str, name: str, tried: list[Target],
+                      result: DecisionResult | None, failure: BaseException | None, started: float) -> None:
+        """Hand one judge call's usage row to the writer (no-op without a database; never fails the call)."""
+        if self.usage is None:
+            return
+        usage = result.usage if result is not None else Usage()
+        answered_by, cost = _answered(tried, usage, result.provider_format) if result is not None and tried \
+            else ((None, None), 0.0)
+        if failure is None:
+            status, code = 200, None
+        elif isinstance(failure, DecisionError):
+            status, code = failure.status, failure.code
+        elif isinstance(failure, asyncio.CancelledError):  # the guardrail's timeout_ms ran out
+            status, code = 504, "guardrail_timeout"
+        else:
+            status, code = 502, "judge_failed"
+        try:
+            self.usage.submit(UsageRecord(
+                time=datetime.now(timezone.utc), request_id=request_id, key_id=None, user_path=guardrail.user_path,
+                request_type="guardrail", dialect=None, requested_model=guardrail.model, resolved_model=name,
+                provider=answered_by[0], model=answered_by[1],
+                upstream_model=result.model if result is not None else None, attempts=len(tried),
+                targets=[t.name for t in tried], input_tokens=usage.input_tokens, cached_tokens=usage.cached_tokens,
+                output_tokens=usage.output_tokens, cost=cost, status=status, error_code=code,
+                latency_ms=round((time.perf_counter() - started) * 1000, 2), guardrail=guardrail.name))
+        except Exception:  # a record must never fail the guardrail
+            log.exception("judge usage record not built", extra={"request_id": request_id})
+
+
+def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[tuple[str, str], float]:
+    """The target that gave an answer — the last one tried — as (provider, name), and the answer's cost by that
+    target's price."""
+    target = tried[-1]
+    return (target.provider.name, target.name), pricing.cost(target.price, usage, provider_format)
+
+
+def _guardrail_summary(outcomes: dict[str, str]) -> str | None:
+    """``pii=redact (redacted email); words=warn`` from the guardrail stage's per-guardrail outcomes."""
+    parts = [f"{k.removeprefix('guardrail:')}={v}" for k, v in outcomes.items() if k.startswith("guardrail:")]
+    return "; ".join(parts)[:500] if parts else outcomes.get("guardrails")
+
+
+def _tracking(tried: list[Target]) -> Gate:
+    """A gate that admits every attempt and notes its target in ``tried``."""
+
+    @contextlib.asynccontextmanager
+    async def gate(target: Target) -> AsyncIterator[None]:
+        tried.append(target)
+        yield None
+
+    return gate

@@ -38,7 +38,9 @@ __all__ = ["GROUPS", "REQUEST_TYPES", "SECRET_FIELDS", "UsageFilter", "UsageReco
 
 log = logging.getLogger("decisiond.usage")
 
-REQUEST_TYPES = ("decisions", "system_one", "score")
+# "guardrail": a decision_judge guardrail's call to its judge model, under the guardrail's own user path;
+# "chat", "responses": guarded chat traffic (/v1/chat/completions, /v1/responses).
+REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses")
 # Group-by names of the admin summaries → usage columns.
 GROUPS = {"key": "key_id", "user_path": "user_path", "model": "model", "provider": "provider",
           "request_type": "request_type", "resolved_model": "resolved_model", "status": "status"}

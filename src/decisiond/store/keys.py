@@ -53,6 +53,7 @@ class KeyRecord:
     created_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
+    guardrails: list[str] = field(default_factory=list)
 
     def status(self, now: datetime | None = None) -> str:
         now = now or datetime.now(timezone.utc)
@@ -68,13 +69,14 @@ class KeyRecord:
 
         return {"id": self.id, "object": "api_key", "name": self.name, "prefix": f"{KEY_PREFIX}{self.id}",
                 "user_path": self.user_path, "models": self.models, "rate_limits": self.rate_limits,
-                "created_at": iso(self.created_at), "expires_at": iso(self.expires_at),
+                "guardrails": self.guardrails, "created_at": iso(self.created_at), "expires_at": iso(self.expires_at),
                 "revoked_at": iso(self.revoked_at), "status": self.status()}
 
     @classmethod
     def of(cls, row: ApiKey) -> "KeyRecord":
         return cls(row.id, row.name, row.user_path, row.models, row.rate_limits, _aware(row.created_at) or
-                   datetime.now(timezone.utc), _aware(row.expires_at), _aware(row.revoked_at))
+                   datetime.now(timezone.utc), _aware(row.expires_at), _aware(row.revoked_at),
+                   list(row.guardrails or []))
 
 
 class KeyStore:
@@ -83,12 +85,14 @@ class KeyStore:
 
     async def create(self, name: str, user_path: str = "/", models: list[str] | None = None,
                      rate_limits: dict[str, Any] | None = None,
-                     expires_at: datetime | None = None) -> tuple[KeyRecord, str]:
-        """A new key: its record and the full key, which is not kept anywhere."""
+                     expires_at: datetime | None = None,
+                     guardrails: list[str] | None = None) -> tuple[KeyRecord, str]:
+        """A new key: its record and the full key, which is not kept anywhere. ``guardrails``: names the caller
+        has checked against the configured guardrails."""
         key_id, secret, salt = secrets.token_hex(8), secrets.token_urlsafe(32), secrets.token_hex(16)
         row = ApiKey(id=key_id, name=name, salt=salt, secret_hash=hash_secret(salt, secret), user_path=user_path,
-                     models=models, rate_limits=rate_limits, created_at=datetime.now(timezone.utc),
-                     expires_at=expires_at)
+                     models=models, rate_limits=rate_limits, guardrails=guardrails or None,
+                     created_at=datetime.now(timezone.utc), expires_at=expires_at)
         async with self.db.session() as session, session.begin():
             session.add(row)
         return KeyRecord.of(row), f"{KEY_PREFIX}{key_id}-{secret}"

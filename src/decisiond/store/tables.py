@@ -30,6 +30,8 @@ class ApiKey(Base):
     user_path: Mapped[str] = mapped_column(String(256))
     models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     rate_limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Names of configured guardrails run on this key's requests (on top of the model's); None or [] for none.
+    guardrails: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
