@@ -40,8 +40,10 @@ def tokenizer(smollm_dir):
     return AutoTokenizer.from_pretrained(smollm_dir)
 
 
-def tiny_loaded(tokenizer, context_length: int = 512, seed: int = 0):
-    """A random-weight two-layer Llama on SmolLM2's tokenizer: real forward passes in milliseconds."""
+def tiny_loaded(tokenizer, context_length: int = 512, seed: int = 0, attn_implementation: str | None = None,
+                dtype: str = "float32"):
+    """A random-weight two-layer Llama on SmolLM2's tokenizer: real forward passes in milliseconds. The same seed gives
+    the same weights whatever the attention implementation (None: transformers' default, sdpa) and dtype."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,6 +61,7 @@ def tiny_loaded(tokenizer, context_length: int = 512, seed: int = 0):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
+        **({"attn_implementation": attn_implementation} if attn_implementation else {}),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -66,13 +69,14 @@ def tiny_loaded(tokenizer, context_length: int = 512, seed: int = 0):
     # embeddings are tied to the head and stay small).
     with torch.no_grad():
         model.model.norm.weight.mul_(40.0)
+    model = model.to(getattr(torch, dtype))
     return LoadedModel(
         name="tiny-random",
         model=model,
         tokenizer=tokenizer,
         context_length=context_length,
         path="(random)",
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         parameters=sum(p.numel() for p in model.parameters()),
     )

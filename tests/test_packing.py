@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
 from decisiond.engine.packing import common_prefix, pack, split_rows
@@ -129,13 +128,25 @@ def test_header_prefix_cache_is_the_template_header(smol_engine, tokenizer):
     header = smol_engine.prompter.header_ids(smol_engine.prompter.template_kwargs({}))
     text = tokenizer.decode(list(header))
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user")
-    assert len(smol_engine.backend.prefixes)  # filled by the decisions above
+    # Independent of the other tests: empty the cross-request prefix cache, decide once, and the cache must now hold a
+    # prefix that starts with the whole template header (the request's shared prefix: header plus ticket).
+    prefixes = smol_engine.backend.prefixes
+    prefixes.clear()
+    assert prefixes.longest(header) == (0, None)
+    smol_engine.decide(DecisionRequest((Message("user", (Text(TICKETS[0]),)),), questions()[:2]))
+    shared, entry = prefixes.longest(header)
+    assert shared == len(header) and entry is not None
 
 
 def test_scorer_errors_reach_the_caller_and_the_worker_survives(smol_engine):
-    job = smol_engine.scheduler.submit([[1, 2, 3]], [[10 ** 7]])  # a label id outside the vocabulary
+    scheduler = smol_engine.scheduler
+    worker = scheduler.call(threading.current_thread)  # the one thread that does the model math
+    job = scheduler.submit([[1, 2, 3]], [[10 ** 7]])  # a label id outside the vocabulary
     with pytest.raises((IndexError, RuntimeError)):
         job.future.result(timeout=60)
-    ok = smol_engine.scheduler.submit([[1, 2, 3]], [[5]])
+    ok = scheduler.submit([[1, 2, 3]], [[5]])
     assert len(ok.future.result(timeout=60).logprobs[0]) == 1
-    assert torch.get_num_threads() >= 1
+    # The same worker thread served the failing job and the next one: the error did not kill it (a dead worker would
+    # be replaced by a fresh thread on the next submit, which this tells apart).
+    assert scheduler.call(threading.current_thread) is worker and worker.is_alive()
+    assert worker is not threading.current_thread()

@@ -196,27 +196,51 @@ def test_usage_is_attributed_to_the_target_that_answered_after_failover(gateway)
     assert row["input_tokens"] == 50 and row["cached_tokens"] == 10
 
 
+def wait_for_ids(server, request_ids) -> list[dict]:
+    deadline = time.monotonic() + 20
+    while True:
+        rows = audit(server, limit=1000)
+        if set(request_ids) <= {r["request_id"] for r in rows} or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def bob_system_one(server) -> dict:
+    summary = httpx.get(server.url + "/admin/usage/summary", headers=ADMIN,
+                        params={"group_by": "request_type,key"}).json()["data"]
+    return next((s for s in summary if s["key"] == "static:bob" and s["request_type"] == "system_one"),
+                {"requests": 0, "cost_usd": 0.0})
+
+
 def test_audit_filter_by_request_type_and_summary(gateway):
+    # The test makes its own rows (two System One requests and three decisions by bob) and compares the summary with
+    # what it was before, so it passes or fails the same alone or after the others.
+    before = bob_system_one(gateway)
+    mine: dict[str, str] = {}
     with TypeSafeClient(base_url=gateway.url, api_key=BOB, retry=RetryPolicy(max_retries=0), timeout=30) as ts:
-        ts.system_one("x", {"q": Noul(instructions="?")}, model="jev/jev-latest")
-    ask(gateway, BOB, "luna")
-    wait_for_rows(gateway, 1, key="static:bob", request_type="system_one")
-    wait_for_rows(gateway, 2, key="static:bob", model="luna")
-    everything = audit(gateway, limit=1000)
+        for _ in range(2):
+            result = ts.system_one("x", {"q": Noul(instructions="?")}, model="jev/jev-latest")
+            mine[result.raw_http_response.headers["x-request-id"]] = "system_one"
+    for _ in range(3):
+        mine[ask(gateway, BOB, "luna").headers["x-request-id"]] = "decisions"
+    everything = wait_for_ids(gateway, mine)
+    assert set(mine) <= {r["request_id"] for r in everything}
     for kind in ("system_one", "decisions"):
         rows = audit(gateway, request_type=kind, limit=1000)
-        assert rows and {r["request_type"] for r in rows} == {kind}
+        assert {r["request_type"] for r in rows} == {kind}
+        assert {i for i, k in mine.items() if k == kind} <= {r["request_id"] for r in rows}
         assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in everything if r["request_type"] == kind)
+    assert len(everything) >= 5
     page = httpx.get(gateway.url + "/admin/audit", headers=ADMIN, params={"limit": 2}).json()
     following = httpx.get(gateway.url + "/admin/audit", headers=ADMIN,
                           params={"limit": 2, "before_id": page["next_before_id"]}).json()
     assert [r["id"] for r in page["data"] + following["data"]] == [r["id"] for r in everything[:4]]
     bad = httpx.get(gateway.url + "/admin/audit", headers=ADMIN, params={"request_type": "completions"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_type"
-    summary = httpx.get(gateway.url + "/admin/usage/summary", headers=ADMIN,
-                        params={"group_by": "request_type,key"}).json()["data"]
-    bob_s1 = next(s for s in summary if s["key"] == "static:bob" and s["request_type"] == "system_one")
-    assert bob_s1["requests"] >= 1 and bob_s1["cost_usd"] > 0
+    after = bob_system_one(gateway)
+    # System One: 120 input tokens at 0.042 and 20 output tokens at 1.0 per million, per request.
+    assert after["requests"] == before["requests"] + 2
+    assert after["cost_usd"] == pytest.approx(before["cost_usd"] + 2 * (120 * 0.042 + 20) / 1e6, abs=1e-12)
     daily = httpx.get(gateway.url + "/admin/usage/daily", headers=ADMIN, params={"group_by": "model"}).json()["data"]
     assert sum(d["requests"] for d in daily) == len(everything)
     assert httpx.get(gateway.url + "/admin/audit", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 403

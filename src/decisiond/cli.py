@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from .gateway.config import GatewayConfig
     from .gateway.router import Router
 
+__all__ = [
+    "build_parser",
+    "cmd_batch",
+    "cmd_bench",
+    "cmd_calibrate",
+    "cmd_decide",
+    "cmd_eval",
+    "cmd_keys",
+    "cmd_mcp",
+    "cmd_serve",
+    "cmd_usage",
+    "main",
+]
+
 log = logging.getLogger("decisiond")
 
 

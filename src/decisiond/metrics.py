@@ -51,9 +51,7 @@ class EngineCollector(Collector):
         self.router = router
 
     def _engines(self) -> dict[str, Any]:
-        from .gateway.providers.local import LocalProvider
-
-        return {p.engine.name: p.engine for p in self.router.providers.values() if isinstance(p, LocalProvider)}
+        return {name: engine for p in self.router.providers.values() for name, engine in p.engines().items()}
 
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("decisiond_engine_queue_depth", "Jobs waiting for the model's worker",

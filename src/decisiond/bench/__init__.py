@@ -1,1 +1,3 @@
 """``decisiond bench``: a reproducible decision workload measured side by side in one run."""
+
+__all__: list[str] = []

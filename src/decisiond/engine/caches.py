@@ -18,6 +18,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+__all__ = ["Lru", "PrefixCache", "default_prefix_cache_bytes"]
+
 V = TypeVar("V")
 
 

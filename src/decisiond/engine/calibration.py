@@ -29,6 +29,27 @@ from typing import Any
 
 from .. import probability
 
+__all__ = [
+    "CALIBRATIONS",
+    "CONTENT_FREE",
+    "FOLDS",
+    "Fit",
+    "ORDERS",
+    "Profile",
+    "ProfileError",
+    "STRENGTHS",
+    "Sample",
+    "Selection",
+    "VariantEvidence",
+    "combine",
+    "fit",
+    "folds",
+    "logits",
+    "prior_logs",
+    "regularised_fit",
+    "shifts",
+]
+
 CONTENT_FREE = ("N/A", "", "[MASK]")
 ORDERS = ("given", "cyclic")
 CALIBRATIONS = ("none", "contextual")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+__all__ = ["PackedRow", "common_prefix", "pack", "split_rows"]
+
 
 @dataclass
 class PackedRow:

@@ -27,6 +27,24 @@ from ..text import is_blank, question_text, render_text
 from .caches import Lru
 from .sandbox import run_isolated
 
+__all__ = [
+    "APPLY_PARAMETERS",
+    "ChatPrompter",
+    "EncodedPrompt",
+    "MAX_CHOICE_LABELS",
+    "MAX_SCORE_LEVELS",
+    "MAX_SINGLE_LETTER",
+    "PROMPT_FORMAT_VERSION",
+    "REASONING_MARKERS",
+    "TEMPLATE_KWARGS_ENTRIES",
+    "THINKING_TOGGLES",
+    "TWO_LETTER_LABELS",
+    "check_renderable",
+    "labels_for",
+    "render_question",
+    "text_only_check",
+]
+
 PROMPT_FORMAT_VERSION = 1
 
 # Chat template kwargs that switch a model's reasoning on; decisions keep them off.

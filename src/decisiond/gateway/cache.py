@@ -29,11 +29,9 @@ from collections import OrderedDict
 from typing import Any
 
 from ..canonical import Answer, DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
-from ..engine.prompt import PROMPT_FORMAT_VERSION
 from .config import CacheConfig
 from .guardrails import GuardrailSet
 from .pipeline import Context, Next
-from .providers.local import LocalProvider
 from .router import Router, Target
 
 __all__ = ["CacheStage", "MemoryStore", "RedisStore", "ResponseCache", "cache_control", "decode", "encode",
@@ -71,18 +69,14 @@ def request_tree(value: Any, ordered: bool = True) -> Any:
 
 
 def _answerer(target: Target) -> dict[str, Any]:
-    """What answers on a target: for a local engine, everything besides the request that shapes its answers."""
+    """What answers on a target: the provider, its wire format, the upstream model and, where the provider declares
+    one (a local engine: weights, default modes, profile, prompt format), everything else that shapes its answers."""
     provider = target.provider
     described: dict[str, Any] = {"target": target.name, "provider": provider.name, "format": provider.format,
                                  "upstream": target.upstream}
-    if isinstance(provider, LocalProvider):
-        engine = provider.engine
-        profile = engine.profile
-        described["engine"] = {
-            "name": engine.name, "path": str(engine.loaded.path), "dtype": engine.loaded.dtype,
-            "context_length": engine.loaded.context_length, "order": engine.order, "calibrate": engine.calibrate,
-            "prompt_format_version": PROMPT_FORMAT_VERSION,
-            "profile": request_tree(dataclasses.asdict(profile)) if profile is not None else None}
+    identity = provider.cache_identity()
+    if identity is not None:
+        described["engine"] = identity
     return described
 
 
@@ -292,7 +286,7 @@ class CacheStage:
         settings = (virtual.cache if virtual is not None else None, target.cache, target.provider.config.cache)
         if False in settings:
             return False
-        return True in settings or target.provider.format == "local"
+        return True in settings or target.provider.cached_by_default
 
     def plan(self, context: Context, request: Any) -> tuple[str, Target] | None:
         """The entry's key and the target that should answer, or None when this request is not cached."""
@@ -300,7 +294,7 @@ class CacheStage:
         if not self.cache.enabled or name is None or context.operation == "chat":  # chat answers are not cached
             return None
         if context.operation == "score":
-            target: Target | None = self.router.local_target(name)
+            target: Target | None = self.router.score_target(name)
         else:
             target = self.router.first_target(request, name)
         if target is None or not self.enabled_for(name, target):

@@ -21,7 +21,7 @@ class ResolveModel:
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         if context.operation == "score":
-            context.resolved_model = self.router.local_target(request.model).name
+            context.resolved_model = self.router.score_target(request.model).name
         elif context.operation == "chat":
             self.router.chat_target(request.model)
             context.resolved_model = request.model

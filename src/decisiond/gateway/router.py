@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Callable, Coroutine
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-from ..engine.local import LocalEngine
 from ..errors import DecisionError, UpstreamError, upstream_error
 from . import limits
 from .answers import check_result
@@ -30,8 +29,6 @@ from .config import DEFAULT_DEADLINE, ConfigError, GatewayConfig, ModelConfig, P
 from .pricing import Pricing
 from .providers import build
 from .providers.base import Provider
-from .providers.local import LocalProvider
-from .providers.openai import OpenAIProvider
 
 __all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Observer", "Router", "Target"]
 
@@ -102,7 +99,7 @@ class Target:
         if self.images is False and request.images():
             return DecisionError(f"model {self.name!r} reads text only, so the request's images cannot be sent to it",
                                  request.images()[0].source, code="unsupported_input")
-        if self.provider.format != "local":
+        if "engine_options" not in self.provider.capabilities:
             extension = next((name for name, value in (
                 ("temperature", request.temperature), ("prompt_format_version", request.prompt_format_version),
                 ("return_prompt_token_ids", request.return_prompt_token_ids or None),
@@ -143,28 +140,31 @@ class Router:
     # --------------------------------------------------------------------------------- building
 
     @classmethod
-    def local_only(cls, engine: LocalEngine) -> "Router":
+    def local_only(cls, engine: Any) -> "Router":
         """No config: the local engine alone, under its served name and ``default``."""
-        provider = LocalProvider(ProviderConfig(name="local", type="local"), engine)
-        target = Target(engine.name, provider, engine.name, description=_describe(engine))
-        return cls({"local": provider}, {engine.name: target}, default_model=engine.name)
+        provider = build(ProviderConfig(name="local", type="local"), {"local": engine})
+        own = provider.own_model
+        assert own is not None
+        target = Target(own, provider, own, description=provider.describe())
+        return cls({"local": provider}, {own: target}, default_model=own)
 
     @classmethod
-    def from_config(cls, config: GatewayConfig, engines: dict[str, LocalEngine]) -> "Router":
+    def from_config(cls, config: GatewayConfig, engines: dict[str, Any]) -> "Router":
+        """``engines``: the in-process engines, by the name of the provider that runs each."""
         providers = {p.name: build(p, engines) for p in config.providers}
         models: dict[str, Target] = {}
+        first_own: str | None = None
         for p in config.providers:
-            if p.type == "local":
-                engine = engines[p.name]
-                target = Target(f"{p.name}/{engine.name}", providers[p.name], engine.name,
-                                description=_describe(engine))
+            provider = providers[p.name]
+            own = provider.own_model
+            if own is not None:  # a provider running its own model serves it as <provider>/<model> and <model>
+                target = Target(f"{p.name}/{own}", provider, own, description=provider.describe())
                 models[target.name] = target
-                models.setdefault(engine.name, Target(engine.name, providers[p.name], engine.name,
-                                                      description=target.description))
+                models.setdefault(own, Target(own, provider, own, description=target.description))
+                first_own = first_own or target.name
         for m in config.models:
             models[m.name] = _target(m, providers[m.provider])
-        default = config.default_model or next(
-            (f"{p.name}/{engines[p.name].name}" for p in config.providers if p.type == "local"), None)
+        default = config.default_model or first_own
         return cls(providers, models, {v.name: v for v in config.virtual_models}, default, config.deadline)
 
     # -------------------------------------------------------------------------------- resolving
@@ -177,9 +177,9 @@ class Router:
         provider, _, upstream = name.partition("/")
         if upstream and provider in self.providers:
             p = self.providers[provider]
-            if isinstance(p, LocalProvider):
-                return self.models.get(f"{provider}/{p.engine.name}") if upstream in (DEFAULT_ALIAS, p.engine.name) \
-                    else None
+            own = p.own_model
+            if own is not None:
+                return self.models.get(f"{provider}/{own}") if upstream in (DEFAULT_ALIAS, own) else None
             return Target(name, p, upstream)
         return None
 
@@ -239,7 +239,7 @@ class Router:
                 failure = upstream_error(target.provider.name, 504, f"no answer from {name!r} within its "
                                          f"{budget:g} s deadline", code="deadline_exceeded")
                 break
-            timeout = None if target.provider.format == "local" else min(remaining, (
+            timeout = None if not target.provider.timed_by_router else min(remaining, (
                 virtual.attempt_timeout if virtual is not None and virtual.attempt_timeout is not None
                 else target.provider.config.timeout))
             started = self.observer.attempt(target)
@@ -258,8 +258,6 @@ class Router:
                     raise
                 failure = error
                 continue
-            if target.provider.format == "local":
-                result.model = target.upstream
             result.provider_format = target.provider.format
             return result
         if failure is not None:
@@ -277,29 +275,25 @@ class Router:
                                 code="model_not_found", status=404, type="not_found_error")
         for target in candidates:
             configured = target.name in self.models
-            if isinstance(target.provider, OpenAIProvider) and (not configured or "chat" in target.capabilities):
+            if "chat" in target.provider.capabilities and (not configured or "chat" in target.capabilities):
                 return target
         raise DecisionError(f"model {name!r} is a decision model: send its requests to /v1/decisions", ("model",),
                             code="model_not_supported")
 
-    def local_target(self, name: str | None) -> Target:
+    def score_target(self, name: str | None) -> Target:
+        """The target that answers ``/v1/score`` for ``name``: the first of its chain whose provider has the
+        ``score`` capability (today the local engine)."""
         chosen = self.resolve_name(name, strict=False)
         for target in self.chain(chosen):
-            if isinstance(target.provider, LocalProvider):
+            if "score" in target.provider.capabilities:
                 return target
         raise DecisionError(f"model {chosen!r} is not a local model; /v1/score needs one", ("model",),
                             code="model_not_supported")
 
-    def local_engine(self, name: str | None) -> LocalEngine:
-        provider = self.local_target(name).provider
-        assert isinstance(provider, LocalProvider)
-        return provider.engine
-
     async def score(self, request: ScoreRequest, name: str | None = None, gate: Gate = _open_gate) -> ScoreResult:
-        target = self.local_target(name if name is not None else request.model)
-        assert isinstance(target.provider, LocalProvider)
+        target = self.score_target(name if name is not None else request.model)
         async with gate(target) as admission:
-            result = await target.provider.engine.score_async(request)
+            result = await target.provider.score(request)
             if admission is not None:
                 await admission.settle(result.prompt_tokens)
         return result
@@ -341,9 +335,5 @@ def _target(m: ModelConfig, provider: Provider) -> Target:
                   pricing=m.pricing, cache=m.cache)
 
 
-def _describe(engine: LocalEngine) -> str:
-    return engine.describe()
-
-
 def _release(target: Target) -> str:
-    return getattr(getattr(target.provider, "engine", None), "release_date", "") or time.strftime("%Y-%m-%d")
+    return target.provider.release_date() or time.strftime("%Y-%m-%d")

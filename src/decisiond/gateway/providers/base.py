@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Protocol
 
 import httpx
 
-from ...canonical import DecisionRequest, DecisionResult
+from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ...errors import DecisionError, upstream_error
 from ..config import Limits, ProviderConfig
 
@@ -23,11 +23,17 @@ class DecisionProvider(Protocol):
 
             async def decide(self, request, upstream):
                 return DecisionResult(upstream, [Answer(q.kind, q.name, [1.0, 0.0]) for q in request.questions])
+
+    What a provider can do is declared, never inferred from its type: ``capabilities`` (see ``Provider``), the model
+    it runs itself (``own_model``), what shapes its answers besides the request (``cache_identity``), and the
+    in-process engines whose counters the metrics read (``engines``).
     """
 
     name: str
     format: str
     capabilities: ClassVar[frozenset[str]]
+    timed_by_router: ClassVar[bool]
+    cached_by_default: ClassVar[bool]
 
     @property
     def limits(self) -> Limits: ...
@@ -35,16 +41,35 @@ class DecisionProvider(Protocol):
     @property
     def reads_images(self) -> bool: ...
 
+    @property
+    def own_model(self) -> str | None: ...
+
+    def describe(self) -> str: ...
+
+    def release_date(self) -> str: ...
+
+    def cache_identity(self) -> dict[str, Any] | None: ...
+
+    def engines(self) -> dict[str, Any]: ...
+
     def unsupported(self, request: DecisionRequest) -> DecisionError | None: ...
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult: ...
+
+    async def score(self, request: ScoreRequest) -> ScoreResult: ...
 
     async def aclose(self) -> None: ...
 
 
 class Provider:
     """The base of every provider type. ``format`` says which wire format answers (openai, system_one, local);
-    ``capabilities`` what it can serve; ``default_limits`` its own request limits (config may tighten them)."""
+    ``capabilities`` what it can serve; ``default_limits`` its own request limits (config may tighten them).
+
+    Capabilities: ``decisions`` (``decide``), ``chat`` (chat traffic is forwarded to it), ``images`` (it can read
+    images), ``score`` (``score``: SGLang's ``/v1/score``, label log-probs after given prompts) and
+    ``engine_options`` (it applies decisiond's own engine options — ``temperature``, ``order``, ``calibrate``,
+    ``prompt_format_version``, ``chat_template_kwargs``, ``return_prompt_token_ids``; a request using one is not
+    sent to a provider without it)."""
 
     format = "local"
     capabilities: ClassVar[frozenset[str]] = frozenset({"decisions"})
@@ -52,6 +77,10 @@ class Provider:
     needs_base_url = True
     # Whether answers carry token counts; a provider that reports none may only be priced per request.
     reports_tokens: ClassVar[bool] = True
+    # Whether the router bounds each attempt by a timeout (an in-process engine bounds its own work instead).
+    timed_by_router: ClassVar[bool] = True
+    # Whether the response cache holds its answers when no config says either way (deterministic answerers).
+    cached_by_default: ClassVar[bool] = False
 
     def __init__(self, config: ProviderConfig):
         self.config = config
@@ -80,6 +109,29 @@ class Provider:
     def reads_images(self) -> bool:
         return self.config.images if self.config.images is not None else self.images_by_default(self.config)
 
+    @property
+    def own_model(self) -> str | None:
+        """The one model this provider runs itself (served as ``<provider>/<model>`` and ``<model>``, no other
+        ``<provider>/...`` name), or None for a provider that forwards any upstream model name."""
+        return None
+
+    def describe(self) -> str:
+        """One line for model lists about ``own_model``."""
+        return ""
+
+    def release_date(self) -> str:
+        """``own_model``'s release date (YYYY-MM-DD), or "" when unknown."""
+        return ""
+
+    def cache_identity(self) -> dict[str, Any] | None:
+        """Everything besides the request and the target that shapes this provider's answers (weights, default
+        modes, profile, prompt format), as JSON-able data for the response cache's key; None when nothing does."""
+        return None
+
+    def engines(self) -> dict[str, Any]:
+        """The in-process engines this provider runs, by served name, for the metrics to read at scrape time."""
+        return {}
+
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         """Why this provider cannot take ``request`` at all (it is then skipped without an attempt), or None."""
         images = request.images()
@@ -90,6 +142,10 @@ class Provider:
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         raise NotImplementedError
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Label log-probs after prompts; only for providers with the ``score`` capability."""
+        raise NotImplementedError(f"provider {self.name!r} has no score capability")
 
     async def aclose(self) -> None:
         return None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ...canonical import DecisionRequest, DecisionResult
+from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ...engine.local import LocalEngine
+from ...engine.prompt import PROMPT_FORMAT_VERSION
 from ..config import ProviderConfig
 from ..limits import LOCAL
 from .base import Provider
@@ -15,9 +17,11 @@ __all__ = ["LocalProvider"]
 
 class LocalProvider(Provider):
     format = "local"
-    capabilities = frozenset({"decisions", "score"})
+    capabilities = frozenset({"decisions", "score", "engine_options"})
     default_limits = LOCAL
     needs_base_url = False
+    timed_by_router = False  # the engine bounds its own work (admission, x-decisiond-timeout-ms)
+    cached_by_default = True  # a decision is a pure function of the weights and the request
 
     def __init__(self, config: ProviderConfig, engine: LocalEngine):
         super().__init__(config)
@@ -27,5 +31,34 @@ class LocalProvider(Provider):
     def from_config(cls, config: ProviderConfig, engines: dict[str, Any]) -> "LocalProvider":
         return cls(config, engines[config.name])
 
+    @property
+    def own_model(self) -> str:
+        return self.engine.name
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    def release_date(self) -> str:
+        return self.engine.release_date
+
+    def cache_identity(self) -> dict[str, Any]:
+        from ..cache import request_tree  # the cache stage imports the router, which imports the providers
+
+        engine = self.engine
+        profile = engine.profile
+        return {
+            "name": engine.name, "path": str(engine.loaded.path), "dtype": engine.loaded.dtype,
+            "context_length": engine.loaded.context_length, "order": engine.order, "calibrate": engine.calibrate,
+            "prompt_format_version": PROMPT_FORMAT_VERSION,
+            "profile": request_tree(dataclasses.asdict(profile)) if profile is not None else None}
+
+    def engines(self) -> dict[str, Any]:
+        return {self.engine.name: self.engine}
+
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
-        return await self.engine.decide_async(request)
+        result = await self.engine.decide_async(request)
+        result.model = upstream
+        return result
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        return await self.engine.score_async(request)
