@@ -19,13 +19,15 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # Alembic's migration environment and revision scripts are loaded by file path, not imported as API.
 NOT_PUBLIC_PREFIXES = ("decisiond.store.migrations",)
 
-# TEMPORARY: these engine modules are being rewritten on another branch; they must declare ``__all__`` too (they do at
-# the time of writing) and are only tolerated without one until that rewrite lands. Remove this set at merge.
-PENDING = {
-    "decisiond.engine.scheduler",
-    "decisiond.engine.local",
+# Modules the walk must find (a broken walk would make every test below vacuous).
+EXPECTED = {
+    "decisiond.cli",
     "decisiond.engine.backend",
     "decisiond.engine.backends.transformers",
+    "decisiond.engine.local",
+    "decisiond.engine.packing",
+    "decisiond.engine.scheduler",
+    "decisiond.gateway.providers.base",
 }
 
 
@@ -54,7 +56,7 @@ def test_walk_finds_the_whole_tree():
     on_disk = {name.removesuffix(".__init__") for name in on_disk}
     expected = {name for name in on_disk if _public(name)}
     assert expected <= set(PUBLIC)
-    for name in PENDING | {"decisiond.cli", "decisiond.engine.packing", "decisiond.gateway.providers.base"}:
+    for name in EXPECTED:
         assert name in PUBLIC, name
     assert not [name for name in PUBLIC if "migrations" in name]
 
@@ -67,8 +69,6 @@ def _load(name: str) -> ModuleType:
 def test_public_module_declares_all(name: str):
     module = _load(name)
     exported = getattr(module, "__all__", None)
-    if exported is None and name in PENDING:
-        pytest.xfail(f"{name}: pending the engine rewrite (see PENDING)")
     assert exported is not None, f"{name} has no __all__"
     assert isinstance(exported, (list, tuple)), name
     assert all(isinstance(item, str) for item in exported), name
