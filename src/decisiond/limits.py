@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_QUEUED_TOKENS",
     "DEFAULT_MAX_REQUEST_TOKENS",
     "MAX_CLIENT_TIMEOUT_MS",
+    "REQUEST_TEMPLATE_BUDGET_S",
     "REQUEST_TEMPLATE_MAX_CHARS",
     "REQUEST_TEMPLATE_MAX_OUTPUT",
     "REQUEST_TEMPLATE_MEMORY_BYTES",
@@ -98,7 +99,8 @@ MAX_CLIENT_TIMEOUT_MS = 600_000
 # A chat template sent in a request (only with ``serve --allow-request-templates``): its size, and the time,
 # memory and output size its rendering may take (rendered in a forked child process that is killed past them).
 REQUEST_TEMPLATE_MAX_CHARS = 32 * 1024
-REQUEST_TEMPLATE_TIMEOUT_S = 2.0
+REQUEST_TEMPLATE_TIMEOUT_S = 5.0
+REQUEST_TEMPLATE_BUDGET_S = 15.0  # all renders of one request together (one per question and variant)
 REQUEST_TEMPLATE_MEMORY_BYTES = 512 * 1024 * 1024
 REQUEST_TEMPLATE_MAX_OUTPUT = 1024 * 1024
 

@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -178,6 +179,9 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
     except DecisionError as error:
         fields["error_code"] = error.code
         return _error_response(route.early_error(error, None), error.headers)
+    except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing to log as a fault
+        fields["error_code"] = ClientGone.code
+        return JSONResponse(None, status_code=ClientGone.status)
     document = payload.document
     fields["dialect"] = dialect.name
     context = Context(request.state.request_id, dialect.operation, dialect.name, caller,
@@ -246,20 +250,30 @@ def client_timeout(request: Request) -> float | None:
 
 async def until_done(request: Request, work: Awaitable[T], timeout: float | None) -> T:
     """``work``, cancelled when the client disconnects (``ClientGone``) or its deadline passes (504): queued model
-    work is then dropped, running work stops between forward passes, upstream calls are abandoned."""
+    work is then dropped, running work stops between forward passes, upstream calls are abandoned. The deadline
+    counts from here: after the body is read and parsed."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
+    waiting: set[asyncio.Future[Any]] = {task, gone}
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     try:
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.wait({task})
-        if gone in done:
-            raise ClientGone()
-        raise DecisionError(f"the request was not answered within the {(timeout or 0) * 1000:.0f} ms its "
-                            f"{TIMEOUT_HEADER} header allows", code="deadline_exceeded", status=504,
-                            type="api_error")
+        while True:
+            left = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+            done, _ = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                if task.cancelled():  # cancelled from inside, not by this handler: a fault, not a departure
+                    raise RuntimeError("the request's work was cancelled")
+                return task.result()
+            if gone in done and (gone.cancelled() or gone.exception() is not None):
+                waiting = {task}  # the watcher failed; that is not the client leaving
+                continue
+            task.cancel()
+            await asyncio.wait({task})
+            if gone in done:
+                raise ClientGone()
+            raise DecisionError(f"the request was not answered within the {(timeout or 0) * 1000:.0f} ms its "
+                                f"{TIMEOUT_HEADER} header allows", code="deadline_exceeded", status=504,
+                                type="api_error")
     except asyncio.CancelledError:
         task.cancel()
         raise

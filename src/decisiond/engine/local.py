@@ -7,6 +7,7 @@ label log-probs (``backend``; by default the transformers backend on the loaded 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -43,6 +44,7 @@ from .prompt import (
     render_question,
     text_only_check,
 )
+from .sandbox import request_deadline
 from .scheduler import DEFAULT_MAX_WAIT_S, Scheduler, Ticket
 
 __all__ = ["LocalEngine", "Prepared", "PreparedQuestion", "Variant", "build_answer", "cached_tokens", "reorder"]
@@ -165,25 +167,27 @@ class LocalEngine:
         kwargs_key = json.dumps(kwargs, sort_keys=True, default=str)
         text = render_input(request.input)
         prepared = []
-        for question in request.questions:
-            labels = labels_for(question)
-            if question.kind == "choice" and len(labels) > MAX_SINGLE_LETTER:
-                content = render_question(text, question, labels)
-                labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
-            variants = []
-            for perm in shifts(question.candidates, order == "cyclic" and question.kind == "choice"):
-                shown = reorder(question, perm)
-                prompt = self.prompter.encode(render_question(text, shown, labels), labels, kwargs, question.source)
-                variant = Variant(perm, labels, prompt)
-                if calibrate == "contextual":
-                    for free in CONTENT_FREE:
-                        content = render_question(free, shown, labels)
-                        key = kwargs_key + "\x00" + content
-                        cached = self._prior(key)
-                        variant.priors[key] = cached if cached is not None else \
-                            self.prompter.encode(content, labels, kwargs, question.source)
-                variants.append(variant)
-            prepared.append(PreparedQuestion(question, variants))
+        # A template the request brought renders in child processes, under one time budget for the request.
+        with request_deadline() if "chat_template" in kwargs else contextlib.nullcontext():
+            for question in request.questions:
+                labels = labels_for(question)
+                if question.kind == "choice" and len(labels) > MAX_SINGLE_LETTER:
+                    content = render_question(text, question, labels)
+                    labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
+                variants = []
+                for perm in shifts(question.candidates, order == "cyclic" and question.kind == "choice"):
+                    shown = reorder(question, perm)
+                    prompt = self.prompter.encode(render_question(text, shown, labels), labels, kwargs, question.source)
+                    variant = Variant(perm, labels, prompt)
+                    if calibrate == "contextual":
+                        for free in CONTENT_FREE:
+                            content = render_question(free, shown, labels)
+                            key = kwargs_key + "\x00" + content
+                            cached = self._prior(key)
+                            variant.priors[key] = cached if cached is not None else \
+                                self.prompter.encode(content, labels, kwargs, question.source)
+                    variants.append(variant)
+                prepared.append(PreparedQuestion(question, variants))
         return Prepared(prepared, order, calibrate)
 
     def _prior(self, key: str) -> list[float] | None:
@@ -335,6 +339,8 @@ def _cancel_tickets(value: Any) -> None:
 def cached_tokens(job: Ticket, scored: Scored, input_tokens: int) -> int:
     """Prompt tokens the request did not compute: shared tokens of its own prompts (computed once) and prefixes
     reused from the prefix cache, as the backend counted them (at most ``input_tokens``)."""
+    if job.joined:  # another request's computation answered this one: nothing was computed for it
+        return input_tokens
     scored_tokens = sum(len(p) for p in job.group.prompts)
     return max(0, min(input_tokens, scored_tokens - scored.computed_tokens))
 

@@ -251,7 +251,9 @@ class ChatPrompter:
         def make() -> tuple[int, ...]:
             try:
                 a, b = (self._apply([{"role": "user", "content": c}], kwargs, True) for c in ("A", "B"))
-            except DecisionError:
+            except DecisionError as error:
+                if error.code in ("template_limit", "server_overloaded"):  # the request's, not the template's
+                    raise
                 a = b = ""
             shared = os.path.commonprefix([a, b])
             return tuple(self.tokenizer.encode(shared, add_special_tokens=False)[:-1]) if shared else ()

@@ -8,16 +8,37 @@ pipe; the server's threads (the event loop, the model's worker) are not in it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import select
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..errors import DecisionError
-from ..limits import REQUEST_TEMPLATE_MAX_OUTPUT, REQUEST_TEMPLATE_MEMORY_BYTES, REQUEST_TEMPLATE_TIMEOUT_S
+from ..limits import (
+    REQUEST_TEMPLATE_BUDGET_S,
+    REQUEST_TEMPLATE_MAX_OUTPUT,
+    REQUEST_TEMPLATE_MEMORY_BYTES,
+    REQUEST_TEMPLATE_TIMEOUT_S,
+)
 
-__all__ = ["isolated_available", "run_isolated"]
+__all__ = ["isolated_available", "request_deadline", "run_isolated"]
+
+# The time left to the current request's template renders (all of them together), when one is set.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("template_deadline", default=None)
+
+
+@contextlib.contextmanager
+def request_deadline(seconds: float = REQUEST_TEMPLATE_BUDGET_S) -> Iterator[None]:
+    """Every ``run_isolated`` inside shares one time budget: a request renders its template once per question,
+    and the limit is on the request, not on each render."""
+    token = _DEADLINE.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
 
 
 def isolated_available() -> bool:
@@ -32,12 +53,27 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
     ``max_output`` bytes."""
     if not isolated_available():
         raise DecisionError(f"{what} cannot be rendered safely on this platform", code="unsupported_value")
+    deadline = time.monotonic() + timeout_s
+    shared = _DEADLINE.get()
+    if shared is not None and shared < deadline:
+        deadline = shared
+    if deadline <= time.monotonic():
+        raise DecisionError(f"{what} took longer than the {REQUEST_TEMPLATE_BUDGET_S:g} s a request may spend "
+                            "rendering it", code="template_limit")
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as error:  # no memory or no process slot for the child
+        os.close(read_fd)
+        os.close(write_fd)
+        raise DecisionError(f"{what} cannot be rendered now: {error.strerror}", code="server_overloaded",
+                            status=503, type="api_error") from None
     if pid == 0:  # the child: render, report, exit without running the parent's clean-up
         status = 0
         try:
-            os.close(read_fd)
+            # Only the pipe to the parent stays open: not other requests' pipes or the server's sockets.
+            os.closerange(3, write_fd)
+            os.closerange(write_fd + 1, _max_fd())
             _cap_memory(memory_bytes)
             try:
                 payload = b"k" + fn().encode("utf-8", "surrogatepass")[: max_output + 1]
@@ -51,16 +87,16 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
         finally:
             os._exit(status)
     os.close(write_fd)
-    deadline = time.monotonic() + timeout_s
     chunks: list[bytes] = []
     size = 0
+    poller = select.poll()  # not select(): descriptors above 1024 are common on a busy server
+    poller.register(read_fd, select.POLLIN | select.POLLHUP)
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DecisionError(f"{what} took longer than {timeout_s:g} s to render", code="template_limit")
-            ready, _, _ = select.select([read_fd], [], [], left)
-            if not ready:
+            if not poller.poll(left * 1000):
                 continue
             data = os.read(read_fd, 1 << 16)
             if not data:
@@ -87,6 +123,13 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
             reason = f"it needed more than {memory_bytes // 2**20} MiB"
         raise DecisionError(f"{what} failed: {reason}", code="chat_template_error")
     raise DecisionError(f"{what} failed: its renderer stopped without an answer", code="chat_template_error")
+
+
+def _max_fd() -> int:
+    try:
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (OSError, ValueError):
+        return 65536
 
 
 def _cap_memory(extra: int) -> None:

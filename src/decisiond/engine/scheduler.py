@@ -16,9 +16,10 @@ request with their label ids — and get a ``Ticket`` whose future yields the an
 3. **Interleaving.** Runs advance one forward pass at a time (``backend.steps``). The worker steps the run with the
    least work left, and every ``FAIR_EVERY``-th step the one that waited longest, so a small request arriving
    behind a long document is answered after a pass or two, and a long one still progresses under a stream of small
-   ones. While more than one run is open, passes are cut to a quarter of ``max_batch_tokens`` (a backend with a
-   ``step_budget``), so what a small request waits for is one short pass. Small runs are admitted at once; at most
-   ``MAX_LARGE_RUNS`` runs larger than one pass are open together (each holds the KV cache of its document).
+   ones. A run larger than one pass, and any run while others are open, goes in passes of a quarter of
+   ``max_batch_tokens`` (a backend with a ``step_budget``), so what a small request waits for is one short pass.
+   Small runs are admitted at once; at most ``MAX_LARGE_RUNS`` runs larger than one pass are open together (each
+   holds the KV cache of its document).
 4. **Cancellation.** A caller that gives up cancels its ticket's future (``asyncio`` does this when the HTTP
    handler is cancelled: client gone, deadline passed). A job whose callers have all gone is dropped while queued,
    and a run whose jobs have all gone is stopped between passes — after ``ABANDON_GRACE_S``, so that the retry of
@@ -50,20 +51,22 @@ from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
 from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
 __all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "FAIR_EVERY", "MAX_LARGE_RUNS",
-           "MIN_STEP_TOKENS", "Job", "Scheduler", "Stats", "Ticket"]
+           "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "Job", "Scheduler", "Stats", "Ticket"]
 
 log = logging.getLogger("decisiond.scheduler")
 
 DEFAULT_MAX_WAIT_S = 0.002
 FAIR_EVERY = 4
-# While other requests wait, a pass takes at most max_batch_tokens / CONTENDED_DIVISOR tokens (not under
-# MIN_STEP_TOKENS): what a waiting request may have to wait for before its own pass.
+# A large run, or any run while others wait, takes passes of at most max_batch_tokens / CONTENDED_DIVISOR tokens
+# (not under MIN_STEP_TOKENS): what a waiting request may have to wait for before its own pass.
 CONTENDED_DIVISOR = 4
 MIN_STEP_TOKENS = 128
 MAX_LARGE_RUNS = 2
 # How long the work of a request whose callers have all gone goes on, waiting for a retry to join it (the TypeSafe
 # SDK retries a timed-out POST after about 0.5 s, then 1 s, with the same bytes).
 ABANDON_GRACE_S = 2.0
+# The longest retry-after given: a client then asks again (and, refused, gets a new estimate).
+MAX_RETRY_AFTER_MS = 10_000
 # How long after its retry-after a refused request's reservation waits for the retry.
 RESERVATION_GRACE_S = 2.0
 # Until a rate is measured: tokens a second, for retry-after estimates.
@@ -91,6 +94,7 @@ class Ticket:
 
     job: Job
     future: Future[Scored]
+    joined: bool = False  # another caller's identical request was already queued or computing
 
     @property
     def group(self) -> Group:
@@ -182,6 +186,7 @@ class Scheduler:
         future: Future[Scored] = Future()
         with self._lock:
             job = self._inflight.get(key)
+            joined = job is not None
             if job is not None:
                 self.stats.joined += 1
                 job.left_at = None  # a retry of a request its client gave up on: the work goes on
@@ -194,7 +199,7 @@ class Scheduler:
             job.waiters.append(future)
             self._wake()
         future.add_done_callback(lambda f: self._cancelled(job) if f.cancelled() else None)
-        return Ticket(job, future)
+        return Ticket(job, future, joined)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread and return its result."""
@@ -216,8 +221,9 @@ class Scheduler:
         if size <= room or not (self.queued_tokens or held):
             return
         self.stats.refused += 1
-        short = size - (self.max_queued_tokens - self.queued_tokens) if held is None else self.queued_tokens
-        wait_ms = int(min(60_000, max(100, 1000 * short / max(self.rate, 1.0))))
+        # Until enough is computed for the reservation and this request both to fit.
+        short = self.queued_tokens + (held[1] if held else 0) + size - self.max_queued_tokens
+        wait_ms = int(min(MAX_RETRY_AFTER_MS, max(100, 1000 * short / max(self.rate, 1.0))))
         if held is None:
             self._reservation = (key, size, now + wait_ms / 1000 + RESERVATION_GRACE_S)
         raise DecisionError(
@@ -283,10 +289,13 @@ class Scheduler:
             for run in list(self._running):
                 if all(self._expired(job, now) for job in run.jobs):  # nobody waits: stop between passes
                     self._running.remove(run)
-                    run.steps.close()
                     for job in run.jobs:
                         self.stats.cancelled += 1
                         self._release(job)
+                    try:
+                        run.steps.close()
+                    except Exception:  # a backend's clean-up failing must not stop the worker
+                        log.exception("a stopped run did not close cleanly")
             if not self._running:
                 return None, None
             self._turn += 1
@@ -294,10 +303,13 @@ class Scheduler:
                 run = min(self._running, key=lambda r: r.last)
             else:
                 run = min(self._running, key=lambda r: (r.left, r.last))
-            if hasattr(self.backend, "step_budget"):  # short passes while others wait, full ones alone
-                contended = len(self._running) > 1 or bool(self._waiting)
-                self.backend.step_budget = max(MIN_STEP_TOKENS, self.max_batch_tokens // CONTENDED_DIVISOR) \
-                    if contended else self.max_batch_tokens
+            if hasattr(self.backend, "step_budget"):
+                # A large run goes in short passes, so that a request arriving meanwhile waits for one short pass
+                # only (on a CPU, 256-token passes over a long document cost no more than 1,024-token ones); so
+                # does any run while others wait. Small requests batched together alone: full passes.
+                short = min(self.max_batch_tokens, max(MIN_STEP_TOKENS, self.max_batch_tokens // CONTENDED_DIVISOR))
+                chunked = run.size > self.max_batch_tokens or len(self._running) > 1 or bool(self._waiting)
+                self.backend.step_budget = short if chunked else self.max_batch_tokens
             return None, run
 
     def _start_runs(self) -> None:
@@ -346,6 +358,8 @@ class Scheduler:
                 self.stats.batches += 1
                 self.stats.jobs += len(run.jobs)
                 self.stats.prompt_tokens += sum(len(p) for job in run.jobs for p in job.group.prompts)
+        if not isinstance(outcome, BaseException) and len(outcome) != len(run.jobs):
+            outcome = RuntimeError(f"the backend answered {len(outcome)} of {len(run.jobs)} requests")
         for i, job in enumerate(run.jobs):
             for future in job.waiters:
                 if isinstance(outcome, BaseException):
