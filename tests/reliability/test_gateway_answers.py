@@ -235,7 +235,7 @@ def test_under_load_over_misbehaving_upstreams_no_answer_is_made_up(gateway):
                     else:
                         counts["refused"] += 1
                         error = r.json().get("error", {})
-                        if model in RECOVERING or r.status_code not in (429, 502, 503, 504) or \
+                        if model in RECOVERING or r.status_code not in (429, 502, 503, 504, 529) or \
                                 not error.get("message"):  # a lost answer, or an error that is not one
                             made_up.append(f"{model}: {r.status_code} {r.text[:200]}")
 

@@ -14,10 +14,10 @@ request with their label ids — and get a ``Ticket`` whose future yields the an
    the jobs queued behind it (waiting at most ``max_wait_s`` for more when it is idle): a *run*. The backend splits
    a run into forward passes within the same budget.
 3. **Interleaving.** Runs advance one forward pass at a time (``backend.steps``). The worker steps the run with the
-   least work left, and every ``FAIR_EVERY``-th step the one that waited longest, so a small request arriving
-   behind a long document is answered after a pass or two, and a long one still progresses under a stream of small
-   ones. A run larger than one pass, and any run while others are open, goes in passes of a quarter of
-   ``max_batch_tokens`` (a backend with a ``step_budget``), so what a small request waits for is one short pass.
+   least work left — unless a run has waited ``STARVE_S`` for its next pass, which then goes first — so a small
+   request arriving behind a long document is answered after a pass or two, and a long one still progresses under a
+   stream of small ones. A run larger than one pass, and any run while others are open, goes in passes of an eighth
+   of ``max_batch_tokens`` (a backend with a ``step_budget``), so what a small request waits for is one short pass.
    Small runs are admitted at once; at most ``MAX_LARGE_RUNS`` runs larger than one pass are open together (each
    holds the KV cache of its document).
 4. **Cancellation.** A caller that gives up cancels its ticket's future (``asyncio`` does this when the HTTP
@@ -50,16 +50,17 @@ from ..limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
 from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
-__all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "FAIR_EVERY", "MAX_LARGE_RUNS",
-           "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "Job", "Scheduler", "Stats", "Ticket"]
+__all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "MAX_LARGE_RUNS",
+           "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "STARVE_S", "Job", "Scheduler", "Stats", "Ticket"]
 
 log = logging.getLogger("decisiond.scheduler")
 
 DEFAULT_MAX_WAIT_S = 0.002
-FAIR_EVERY = 4
+# The longest a run waits for its next pass while runs with less work left go first.
+STARVE_S = 1.0
 # A large run, or any run while others wait, takes passes of at most max_batch_tokens / CONTENDED_DIVISOR tokens
 # (not under MIN_STEP_TOKENS): what a waiting request may have to wait for before its own pass.
-CONTENDED_DIVISOR = 4
+CONTENDED_DIVISOR = 8
 MIN_STEP_TOKENS = 128
 MAX_LARGE_RUNS = 2
 # How long the work of a request whose callers have all gone goes on, waiting for a retry to join it (the TypeSafe
@@ -158,7 +159,6 @@ class Scheduler:
         self._calls: deque[Call] = deque()
         self._running: list[Run] = []
         self._inflight: dict[tuple[Any, ...], Job] = {}
-        self._turn = 0
         # (job key, size, expiry): the request refused first, whose retry is admitted before others.
         self._reservation: tuple[tuple[Any, ...], int, float] | None = None
         self._thread: threading.Thread | None = None
@@ -298,9 +298,9 @@ class Scheduler:
                         log.exception("a stopped run did not close cleanly")
             if not self._running:
                 return None, None
-            self._turn += 1
-            if self._turn % FAIR_EVERY == 0:
-                run = min(self._running, key=lambda r: r.last)
+            oldest = min(self._running, key=lambda r: r.last)
+            if now - oldest.last > STARVE_S:  # aging: nothing waits longer than this for its next pass
+                run = oldest
             else:
                 run = min(self._running, key=lambda r: (r.left, r.last))
             if hasattr(self.backend, "step_budget"):

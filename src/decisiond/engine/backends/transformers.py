@@ -9,8 +9,8 @@ How a batch of requests (groups) is computed, top to bottom:
    radix tree (``packing``), go into rows that all attend to it: a shared prefix of any length is computed once,
    whatever the row budget. The prefix always takes this path, even when prefix and tails would fit one row, so a
    request asked again gets bit-identical answers from the cached prefix (the tails see the same KV values).
-   Prefill chunks and passes take at most ``step_budget`` tokens: ``max_batch_tokens``, or a quarter of it while
-   other requests wait, so that the scheduler can answer them between two short passes.
+   Prefill chunks and passes take at most ``step_budget`` tokens: ``max_batch_tokens``, or an eighth of it for a
+   large request or while others wait, so that the scheduler can answer them between two short passes.
 2. **Run the rows** (tails packed to at most ``ROW_TOKENS``) in passes of at most ``step_budget`` padded tokens.
    Rows of different groups have different pasts: each row's cached prefix is laid into a padded past of the
    longest one, and a 4-D mask lets each token see its own row's past and its own prompt's earlier tokens; explicit
@@ -40,7 +40,7 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "ROW_TOKENS", "Stats", "TransformersBacke
 DEFAULT_MAX_BATCH_TOKENS = 1024
 # Rows of question tails are packed to at most this many tokens, so that passes can be cut small (``step_budget``)
 # when other requests are waiting; uncontended, several rows still share one pass of ``max_batch_tokens``.
-ROW_TOKENS = 256
+ROW_TOKENS = 128
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, kv heads, tokens, head dim]
 
