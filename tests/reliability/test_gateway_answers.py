@@ -245,4 +245,4 @@ def test_under_load_over_misbehaving_upstreams_no_answer_is_made_up(gateway):
     for t in threads:
         t.join(120)
     assert not made_up, made_up[:5]
-    assert counts["ok"] > 50 and counts["refused"] > 50
+    assert counts["ok"] > 20 and counts["refused"] > 20  # both kinds exercised
