@@ -143,3 +143,13 @@ def openai_client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, _strict_response_validation=True)
+
+
+def blocked(scheduler):
+    """Occupy a scheduler's worker until the returned event (a ``threading.Event``) is set."""
+    import threading
+
+    release, started = threading.Event(), threading.Event()
+    threading.Thread(target=lambda: scheduler.call(lambda: (started.set(), release.wait(60)))).start()
+    assert started.wait(60)
+    return release

@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from conftest import tiny_loaded
+from conftest import blocked, tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Message, Option, Question, ScoreRequest, Text
 from decisiond.engine.backend import Scored
@@ -42,14 +42,6 @@ class Gate:
 
     def describe(self):
         return "gate"
-
-
-def blocked(scheduler: Scheduler) -> threading.Event:
-    """Occupy the worker until the returned event is set."""
-    release, started = threading.Event(), threading.Event()
-    threading.Thread(target=lambda: scheduler.call(lambda: (started.set(), release.wait(30)))).start()
-    started.wait(30)
-    return release
 
 
 # ------------------------------------------------------------------------------------------ cancellation

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -16,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import blocked
 from servers import free_port
 from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
@@ -23,7 +23,7 @@ from decisiond.canonical import DecisionRequest, Message, Option, Question, Text
 from decisiond.engine import scheduler as scheduler_module
 from decisiond.engine.backends.transformers import TransformersBackend
 from decisiond.engine.local import LocalEngine
-from decisiond.engine.scheduler import Scheduler
+from decisiond.engine.scheduler import Scheduler, work_tokens
 from decisiond.errors import DecisionError
 from decisiond.gateway.router import Router
 from decisiond.server import create_app
@@ -81,13 +81,6 @@ class Stepper:
 
 def backend(tiny, max_batch_tokens: int = 64) -> TransformersBackend:
     return TransformersBackend(tiny.model, "tiny", max_batch_tokens, prefix_cache_bytes=0)
-
-
-def blocked(scheduler: Scheduler) -> threading.Event:
-    release, started = threading.Event(), threading.Event()
-    threading.Thread(target=lambda: scheduler.call(lambda: (started.set(), release.wait(60)))).start()
-    assert started.wait(60)
-    return release
 
 
 # ------------------------------------------------------------------------------------------ admission
@@ -457,9 +450,7 @@ def test_an_allowed_request_template_is_the_one_rendered(tiny):
 def job_size(engine: LocalEngine, document: dict) -> int:
     from decisiond.dialects import sglang
 
-    prompts = [q.prompt.ids for q in engine.prepare(sglang.DIALECT.parse(document, {})).questions]
-    shared = len(os.path.commonprefix(prompts))
-    return shared + sum(len(p) - shared for p in prompts)
+    return work_tokens([q.prompt.ids for q in engine.prepare(sglang.DIALECT.parse(document, {})).questions])
 
 
 @pytest.mark.parametrize("sdk", ["typesafe", "openai"])

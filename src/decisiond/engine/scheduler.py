@@ -51,7 +51,7 @@ from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
 from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
 __all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "MAX_LARGE_RUNS",
-           "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "STARVE_S", "Job", "Scheduler", "Stats", "Ticket"]
+           "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "STARVE_S", "Job", "Scheduler", "Stats", "Ticket", "work_tokens"]
 
 log = logging.getLogger("decisiond.scheduler")
 
@@ -174,8 +174,7 @@ class Scheduler:
         """Queue one request's prompts; ``ticket.future`` yields a ``Scored`` (label log-probs in prompt order).
         Raises ``DecisionError`` when admission control refuses it."""
         rows = [list(p) for p in prompts]
-        shared = len(os.path.commonprefix(rows)) if rows else 0
-        size = shared + sum(len(p) - shared for p in rows)
+        size = work_tokens(rows)
         if size > self.max_request_tokens:
             self.stats.refused += 1
             raise DecisionError(
@@ -366,6 +365,13 @@ class Scheduler:
                     _deliver(future, _raise(outcome))
                 else:
                     _deliver(future, functools.partial(_checked, outcome[i]))
+
+
+def work_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    """The tokens a job makes the model compute: its prompts' shared prefix once, plus each prompt's rest (what
+    admission control counts)."""
+    shared = len(os.path.commonprefix([list(p) for p in prompts])) if prompts else 0
+    return shared + sum(len(p) - shared for p in prompts)
 
 
 def _checked(scored: Scored) -> Scored:
