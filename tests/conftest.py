@@ -8,12 +8,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import inspect  # noqa: E402
 
 import pytest  # noqa: E402
-from servers import start_decisiond  # noqa: E402
+from servers import start_decisiond, warm  # noqa: E402
 
 # Fixtures that run the real SmolLM2 model. A test that uses one of them, or asks for ``smollm_dir`` itself (not
 # only through the tokenizer the tiny model shares), is marked ``model``: ``pytest -m "not model"`` is the fast
 # everyday subset.
 REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
+
+
+def pytest_sessionstart(session):
+    # Under xdist the controller runs no test: only the workers (and a plain run) need decisiond processes.
+    if not getattr(session.config.option, "numprocesses", None) or hasattr(session.config, "workerinput"):
+        warm()
 
 
 def pytest_collection_modifyitems(config, items):

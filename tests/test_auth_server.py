@@ -4,15 +4,13 @@ local model and two loopback OpenAI-shaped upstreams, called with the official o
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 import upstreams
-from servers import start_decisiond
+from servers import run_decisiond, start_decisiond
 from typesafe_sdk import (
     Noul,
     RetryPolicy,
@@ -287,7 +285,7 @@ def test_no_secret_reaches_a_log_line_or_an_error_body(gateway):
 
 
 def test_refuses_to_serve_a_public_host_without_keys(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "decisiond.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
-                          capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    # A new interpreter, as a user starts it: ``python -m decisiond.cli``.
+    done = run_decisiond("serve", "--host", "0.0.0.0", "--port", "1", fresh=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2 and "--allow-unauthenticated" in done.stderr

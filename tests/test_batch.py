@@ -6,20 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
+
+from servers import Child, decisiond
 
 QUESTIONS = [{"type": "predicate", "name": "billing", "instructions": "Is this about billing?"},
              {"type": "choice", "name": "team", "instructions": "Which team?",
               "choices": [{"value": "billing"}, {"value": "shipping"}]}]
 
 
-def batch(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "decisiond.cli", "batch", *args, "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, **kw)
+def batch(*args: str) -> Child:
+    return decisiond("batch", *args, "--log-level", "warning", env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def records(path) -> list[dict]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+from servers import run_decisiond
 
 from decisiond.bench import runner, workload
 
@@ -22,11 +22,8 @@ def test_workload_is_reproducible_and_sized():
 
 def test_bench_command_end_to_end(tiny_dir, tmp_path):
     out, raw = tmp_path / "RESULTS.md", tmp_path / "RESULTS.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "decisiond.cli", "bench", "--model", tiny_dir, "--tickets", "3", "--questions", "3,10",
-         "--clients", "1,2", "--out", str(out), "--json", str(raw)],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900,
-    )
+    done = run_decisiond("bench", "--model", tiny_dir, "--tickets", "3", "--questions", "3,10", "--clients", "1,2",
+                         "--out", str(out), "--json", str(raw), env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(raw.read_text())
     modes = [(r["workload"], r["mode"]) for r in report["rows"]]

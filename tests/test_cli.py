@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+from servers import run_decisiond
 
 REQUEST = {"model": "default", "input": "My card was charged twice.",
            "questions": [{"type": "predicate", "name": "billing", "instructions": "The message is about billing."},
@@ -14,9 +14,7 @@ REQUEST = {"model": "default", "input": "My card was charged twice.",
 
 
 def decide(*args, stdin: bytes = b""):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "decisiond.cli", "decide", *args], input=stdin,
-                          capture_output=True, env=env, timeout=600)
+    return run_decisiond("decide", *args, input=stdin, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=False)
 
 
 def test_decide_from_stdin_and_file(smollm_dir, tmp_path):

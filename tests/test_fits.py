@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from servers import run_decisiond
 
 from decisiond import evaluation
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
@@ -175,9 +174,8 @@ def test_profile_for_another_model_or_prompt_format_is_refused(tiny, tiny_dir, t
         Profile.load(tmp_path / "broken.json")
     # The server refuses to start with a clear message and a non-zero exit.
     Profile("tiny-random", PROMPT_FORMAT_VERSION, order="cyclic").save(tmp_path / "other.json")
-    done = subprocess.run([sys.executable, "-m", "decisiond.cli", "serve", "--model", tiny_dir, "--port", "1",
-                           "--calibration", str(tmp_path / "other.json")],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    done = run_decisiond("serve", "--model", tiny_dir, "--port", "1", "--calibration", str(tmp_path / "other.json"),
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert done.returncode == 2
     assert f"fitted for model 'tiny-random', not '{os.path.basename(tiny_dir)}'" in done.stderr
 

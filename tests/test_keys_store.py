@@ -7,6 +7,7 @@ import sqlite3
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from servers import run_decisiond
 from services import start_postgres
 
 from decisiond.store import Database, KeyStore
@@ -158,14 +159,11 @@ def test_only_a_salted_hash_is_stored(tmp_path):
 
 def test_keys_cli_creates_lists_and_revokes(tmp_path):
     import json
-    import subprocess
-    import sys
 
     url = f"sqlite:///{tmp_path}/cli.sqlite3"
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "decisiond.cli", "keys", "--database-url", url, *args],
-                              capture_output=True, text=True, timeout=120)
+        return run_decisiond("keys", "--database-url", url, *args, timeout=120)
 
     created = cli("create", "--name", "ci", "--user-path", "/ci", "--models", "tiny,openai/*", "--rpm", "5")
     assert created.returncode == 0, created.stderr
@@ -183,8 +181,7 @@ def test_keys_cli_creates_lists_and_revokes(tmp_path):
     config.write_text(f"database_url: {url}\nguardrails:\n  - {{name: pii, type: pii, action: redact}}\n")
 
     def configured(*args):
-        return subprocess.run([sys.executable, "-m", "decisiond.cli", "keys", "--config", str(config), *args],
-                              capture_output=True, text=True, timeout=120)
+        return run_decisiond("keys", "--config", str(config), *args, timeout=120)
 
     unknown = configured("create", "--name", "g", "--guardrails", "pii,nope")
     assert unknown.returncode == 2 and "'nope'" in unknown.stderr and "'pii'" in unknown.stderr

@@ -6,12 +6,11 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
+from servers import run_decisiond
 from typesafe_sdk import Choice, RetryPolicy, TypeSafeClient, TypeSafeUnprocessableEntityError
 
 from decisiond import evaluation
@@ -163,29 +162,28 @@ def test_labeled_file_errors_name_the_line(tmp_path):
 
 
 def test_eval_and_calibrate_auto_end_to_end_on_the_real_model(smollm_dir, tmp_path):
-    """A slice of the example set (6 items, 18 questions) through eval and calibrate --auto (applying profiles is
-    tested on the tiny model in test_fits.py)."""
-    subset = tmp_path / "six.jsonl"
-    subset.write_text("\n".join(EXAMPLES.read_text().splitlines()[:6]) + "\n")
+    """A slice of the example set (3 items, 9 questions, every question type) through eval and calibrate --auto; the
+    metrics, fits and profiles themselves are tested on the tiny model in test_fits.py."""
+    subset = tmp_path / "three.jsonl"
+    subset.write_text("\n".join(EXAMPLES.read_text().splitlines()[:3]) + "\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "decisiond.cli", *args], capture_output=True, text=True, env=env,
-                              timeout=600)
+        return run_decisiond(*args, env=env)
 
     done = cli("eval", str(subset), "--out-dir", str(tmp_path), "--resamples", "200", "--coverage", "0.5")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["questions"] == 18 and report["items"] == 6 and set(report["modes"]) == set(evaluation.ALL_MODES)
+    assert report["questions"] == 9 and report["items"] == 3 and set(report["modes"]) == set(evaluation.ALL_MODES)
     for mode in evaluation.ALL_MODES:
         m = report["modes"][mode]["all"]
-        assert m["n"] == 18 and 0 <= m["accuracy"] <= 1 and m["log_loss"] > 0 and 0 <= m["ece"] <= 1
+        assert m["n"] == 9 and 0 <= m["accuracy"] <= 1 and m["log_loss"] > 0 and 0 <= m["ece"] <= 1
         assert m["interval"]["log_loss"][0] <= m["log_loss"] <= m["interval"]["log_loss"][1]
-        assert sum(report["modes"][mode][k]["n"] for k in evaluation.KINDS) == 18
-        assert sum(r["count"] for r in report["reliability"][mode]) == 18
+        assert sum(report["modes"][mode][k]["n"] for k in evaluation.KINDS) == 9
+        assert sum(r["count"] for r in report["reliability"][mode]) == 9
     assert (tmp_path / "reliability.png").read_bytes().startswith(b"\x89PNG")
     best = report["best_mode"]
-    assert f"| **{best}** ★ | 18 |" in done.stdout and done.stdout.count("★") == 3
+    assert f"| **{best}** ★ | 9 |" in done.stdout and done.stdout.count("★") == 3
     assert "scoring" in done.stderr  # the progress bar
 
     done = cli("calibrate", str(subset), "--auto", "--out", str(tmp_path / "profile.json"), "--resamples", "200")

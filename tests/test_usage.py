@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import upstreams
-from servers import start_decisiond
+from servers import run_decisiond, start_decisiond
 from services import start_postgres
 from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
@@ -359,11 +359,7 @@ def test_stopping_postgres_for_10_s_under_load_loses_no_request_and_no_usage_rec
 
 
 def test_cli_prints_the_summary_as_a_table(gateway, database):
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "decisiond.cli", "usage", "--database-url", database,
-                          "--group-by", "request_type"], capture_output=True, text=True, timeout=60)
+    out = run_decisiond("usage", "--database-url", database, "--group-by", "request_type", timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["request_type", "requests", "input_tokens", "output_tokens", "cost_usd"]

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 import upstreams
-from servers import start_decisiond
+from servers import run_decisiond, start_decisiond
 from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
 UPSTREAM_KEY = "sk-upstream-reliability-7f6e5d"
@@ -185,10 +183,8 @@ providers:
 virtual_models:
   - {{name: typo, targets: [local/tiny-lokal]}}
 """)
-    done = subprocess.run([sys.executable, "-m", "decisiond.cli", "serve", "--config", str(config), "--port", "1"],
-                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
-                                                                            "HF_HUB_OFFLINE": "1",
-                                                                            "HOME": str(tmp_path)})
+    done = run_decisiond("serve", "--config", str(config), "--port", "1", timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
     assert done.returncode == 2 and "local/tiny-lokal" in done.stderr
 
 

@@ -27,6 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from numpy.typing import NDArray
+from scipy import optimize
+
 from .. import probability
 
 __all__ = [
@@ -129,25 +133,23 @@ class Sample:
 
 
 class _Batch:
-    """Samples of one question type as padded tensors, so a fit's loss is a few tensor operations.
+    """Samples of one question type as padded arrays, so a fit's loss and gradient are a few array operations.
 
     ``z``: samples × variants × shown positions (padding 0), ``valid``: real positions, ``weight``: 1 / variants on
     real variants (0 on padding), ``gold``: where each variant showed the gold option."""
 
     def __init__(self, samples: list[Sample], contextual: bool):
-        import torch
-
         self.size = len(samples)
         self.width = max(len(s.variants[0].order) for s in samples)
         depth = max(len(s.variants) for s in samples)
-        self.z = torch.zeros(self.size, depth, self.width, dtype=torch.float64)
-        self.valid = torch.zeros(self.size, depth, self.width, dtype=torch.bool)
-        self.weight = torch.zeros(self.size, depth, dtype=torch.float64)
-        self.gold = torch.zeros(self.size, depth, dtype=torch.long)
+        self.z = np.zeros((self.size, depth, self.width))
+        self.valid = np.zeros((self.size, depth, self.width), dtype=bool)
+        self.weight = np.zeros((self.size, depth))
+        self.gold = np.zeros((self.size, depth), dtype=np.int64)
         for i, s in enumerate(samples):
             for v, variant in enumerate(s.variants):
                 n = len(variant.order)
-                self.z[i, v, :n] = torch.tensor(logits(variant, contextual), dtype=torch.float64)
+                self.z[i, v, :n] = logits(variant, contextual)
                 self.valid[i, v, :n] = True
                 self.weight[i, v] = 1.0 / len(s.variants)
                 self.gold[i, v] = variant.order.index(s.gold)
@@ -159,44 +161,54 @@ class _Batch:
             setattr(part, name, getattr(self, name)[index])
         return part
 
-    def nll(self, log_t: Any, bias: Any) -> Any:
-        """Per-sample negative log-probability of the gold option under ``softmax((z + bias) / exp(log_t))``,
-        averaged over variants as ``combine`` does (probabilities clamped at 1e-12, as the metrics do)."""
-        import torch
-
-        scaled = torch.where(self.valid, (self.z + bias) / log_t.exp(), torch.tensor(-math.inf, dtype=torch.float64))
-        probs = torch.softmax(scaled, dim=-1).gather(-1, self.gold.unsqueeze(-1)).squeeze(-1)
-        return -torch.log((probs * self.weight).sum(-1).clamp_min(1e-12))
+    def loss(self, log_t: float, bias: NDArray[np.float64], gradient: bool = False
+             ) -> tuple[float, float, NDArray[np.float64]]:
+        """Mean negative log-probability of the gold option under ``softmax((z + bias) / exp(log_t))``, averaged
+        over variants as ``combine`` does (probabilities clamped at 1e-12, as the metrics do); with ``gradient``
+        also its derivatives by ``log_t`` and by ``bias``."""
+        scaled = np.where(self.valid, (self.z + bias) / math.exp(log_t), -np.inf)
+        top = scaled.max(axis=-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)  # padding variants: every position invalid
+        e = np.where(self.valid, np.exp(scaled - top), 0.0)
+        total = e.sum(axis=-1, keepdims=True)
+        p = e / np.where(total > 0, total, 1.0)
+        p_gold = np.take_along_axis(p, self.gold[..., None], axis=-1)[..., 0]
+        q = (p_gold * self.weight).sum(axis=-1)
+        loss = float(-np.log(np.maximum(q, 1e-12)).mean())
+        if not gradient:
+            return loss, 0.0, np.zeros(self.width)
+        # d loss / d scaled = a · (p − onehot(gold)), a = weight · p_gold / (n · q) where q is not clamped.
+        a = np.where((q >= 1e-12)[:, None], self.weight * p_gold / (self.size * np.maximum(q, 1e-12))[:, None], 0.0)
+        onehot = np.zeros_like(p)
+        np.put_along_axis(onehot, self.gold[..., None], 1.0, axis=-1)
+        g = np.where(self.valid, a[..., None] * (p - onehot), 0.0)
+        d_log_t = float(-np.where(self.valid, g * scaled, 0.0).sum())
+        d_bias = g.sum(axis=(0, 1)) / math.exp(log_t)
+        return loss, d_log_t, d_bias
 
 
 def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100) -> Fit:
-    import torch
+    """Minimise ``loss + strength · (log² T + |b|²)`` by L-BFGS on the analytic gradient."""
 
-    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros(batch.width, dtype=torch.float64, requires_grad=with_bias)
-    params = [log_t] + ([bias] if with_bias else [])
-    optimiser = torch.optim.LBFGS(params, lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
+    def objective(x: NDArray[np.float64]) -> tuple[float, NDArray[np.float64]]:
+        log_t = float(x[0])
+        bias = x[1:] if with_bias else np.zeros(batch.width)
+        loss, d_log_t, d_bias = batch.loss(log_t, bias, gradient=True)
+        value = loss + strength * (log_t ** 2 + float((bias ** 2).sum()))
+        grad = np.concatenate(([d_log_t + 2 * strength * log_t], d_bias + 2 * strength * bias if with_bias else []))
+        return value, grad
 
-    def loss_fn() -> Any:
-        optimiser.zero_grad()
-        loss = batch.nll(log_t, bias).mean() + strength * (log_t ** 2 + (bias ** 2).sum())
-        loss.backward()
-        return loss
-
-    optimiser.step(loss_fn)  # type: ignore[no-untyped-call]  # torch leaves LBFGS.step untyped
-    t = float(log_t.detach().exp())
+    x0 = np.zeros(1 + (batch.width if with_bias else 0))
+    result = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", options={"maxiter": steps})
+    t = math.exp(float(result.x[0])) if abs(float(result.x[0])) < 700 else math.inf
     if not math.isfinite(t) or t <= 0:
         t = 1.0
-    return Fit(temperature=t, bias=[float(b) for b in bias.detach()] if with_bias else [])
+    return Fit(temperature=t, bias=[float(b) for b in result.x[1:]] if with_bias else [])
 
 
 def _log_loss(batch: _Batch, fitted: Fit) -> float:
-    import torch
-
-    bias = torch.tensor(fitted.bias or [0.0] * batch.width, dtype=torch.float64)
-    log_t = torch.tensor(math.log(fitted.temperature), dtype=torch.float64)
-    with torch.no_grad():
-        return float(batch.nll(log_t, bias).mean())
+    bias = np.array(fitted.bias or [0.0] * batch.width, dtype=np.float64)
+    return batch.loss(math.log(fitted.temperature), bias)[0]
 
 
 def fit(samples: list[Sample], contextual: bool = False, with_bias: bool = False, strength: float = 0.0,
