@@ -4,6 +4,10 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel workers share the cores: one compute thread per process (this worker and every decisiond it
+    # starts), or OpenMP threads spinning on each other's cores make every model test several times slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import inspect  # noqa: E402
 

@@ -22,7 +22,7 @@ def test_workload_is_reproducible_and_sized():
 
 def test_bench_command_end_to_end(tiny_dir, tmp_path):
     out, raw = tmp_path / "RESULTS.md", tmp_path / "RESULTS.json"
-    done = run_decisiond("bench", "--model", tiny_dir, "--tickets", "3", "--questions", "3,10", "--clients", "1,2",
+    done = run_decisiond("bench", "--model", tiny_dir, "--tickets", "2", "--questions", "3,10", "--clients", "1,2",
                          "--out", str(out), "--json", str(raw), env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(raw.read_text())

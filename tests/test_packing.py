@@ -84,9 +84,9 @@ def reference_probabilities(engine, request):
             for p in prepared.questions]
 
 
-@pytest.mark.parametrize("temperature", [None, 0.5])
-def test_packed_equals_one_pass_per_question_on_the_real_model(smol_engine, temperature):
-    for ticket in TICKETS:
+@pytest.mark.parametrize("temperature, tickets", [(None, TICKETS), (0.5, TICKETS[1:2])])
+def test_packed_equals_one_pass_per_question_on_the_real_model(smol_engine, temperature, tickets):
+    for ticket in tickets:
         request = DecisionRequest((Message("user", (Text(ticket),)),), questions(), temperature=temperature)
         result = smol_engine.decide(request)
         expected = reference_probabilities(smol_engine, request)
@@ -101,7 +101,8 @@ def test_packed_equals_one_pass_per_question_on_the_real_model(smol_engine, temp
 def test_concurrent_requests_are_batched_and_still_exact(smol_engine):
     scheduler: Scheduler = smol_engine.scheduler
     requests = [DecisionRequest((Message("user", (Text(t),)),), questions()[:3]) for t in TICKETS * 3]
-    expected = [reference_probabilities(smol_engine, r) for r in requests]
+    by_ticket = [reference_probabilities(smol_engine, r) for r in requests[:len(TICKETS)]]
+    expected = by_ticket * 3
     before = (scheduler.stats.passes, scheduler.stats.jobs, scheduler.stats.joined)
     scheduler.max_wait_s = 0.2  # give the threads time to queue up together
     results: list = [None] * len(requests)

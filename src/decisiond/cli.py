@@ -59,8 +59,7 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
-    from .engine.backends.transformers import DEFAULT_MAX_BATCH_TOKENS
-    from .limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
+    from .limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                    help=f"padded tokens per batched forward pass across concurrent requests "
@@ -155,13 +154,8 @@ def _loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .engine.calibration import ProfileError
-    from .engine.model import ModelNotFound
     from .gateway.config import ConfigError, GatewayConfig
     from .gateway.service import Gateway
-    from .server import Settings, create_app
 
     try:
         config = _load_config(args)
@@ -173,6 +167,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"decisiond: refusing to serve {args.host} without an API key: set auth.master_key in the config or "
               "DECISIOND_MASTER_KEY, or pass --allow-unauthenticated", file=sys.stderr)
         return 2
+    # Imported only once the configuration is known to be servable: a refusal above answers at once.
+    import uvicorn
+
+    from .engine.calibration import ProfileError
+    from .engine.model import ModelNotFound
+    from .server import Settings, create_app
+
     try:
         router = _router(args, config)
     except (ConfigError, ModelNotFound, ProfileError) as error:

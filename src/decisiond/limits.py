@@ -14,6 +14,7 @@ __all__ = [
     "CACHE_TTL_S",
     "CHAT_RELAY_CHUNKS",
     "CHAT_USAGE_SCAN_BYTES",
+    "DEFAULT_MAX_BATCH_TOKENS",
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_DOCUMENT_DEPTH",
     "JSON",
@@ -88,6 +89,9 @@ BODY_READ_TIMEOUT_S = 30.0
 # Request bodies, after decompression (``serve --max-body-bytes``).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
+# Padded tokens per batched forward pass (``--max-batch-tokens``): on a CPU a pass over ~1,000 tokens is as efficient
+# as it gets; larger batches only add latency and memory.
+DEFAULT_MAX_BATCH_TOKENS = 1024
 # The local engine's admission control. Tokens one request may make the model compute after prefix sharing
 # (``--max-request-tokens``; over it: 400), and tokens admitted but not yet computed across all requests
 # (``--max-queued-tokens``; a request that would go over it: 503 with retry-after-ms). On a 2-core CPU SmolLM2

@@ -37,5 +37,5 @@ def setup(level: str = "info") -> None:
         logging.getLogger(name).propagate = True
     # decisiond writes its own access log line per request, with the request id and decision fields.
     logging.getLogger("uvicorn.access").disabled = True
-    for noisy in ("httpx", "httpcore"):
+    for noisy in ("httpx", "httpcore", "alembic.runtime.plugins"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

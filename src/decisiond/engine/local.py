@@ -26,11 +26,11 @@ from ..canonical import (
     Usage,
 )
 from ..errors import invalid, refused
-from ..limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
+from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from ..rules import check_temperature
 from ..text import render_input
 from .backend import Backend, Scored
-from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS, TransformersBackend
+from .backends.transformers import TransformersBackend
 from .caches import Lru
 from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
 from .model import LoadedModel

@@ -166,8 +166,9 @@ def load(spec: str | None = None, dtype: str = "float32", device: str | None = N
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if device == "cpu":
         check_cpu_dtype(dtype)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores))
+        if not os.environ.get("OMP_NUM_THREADS"):  # an operator's explicit thread count wins
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores))
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' to() accepts a device string

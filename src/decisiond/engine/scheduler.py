@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DecisionError
-from ..limits import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
+from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
-from .backends.transformers import DEFAULT_MAX_BATCH_TOKENS
 
 __all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "MAX_LARGE_RUNS",
            "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "STARVE_S", "Job", "Scheduler", "Stats", "Ticket", "work_tokens"]

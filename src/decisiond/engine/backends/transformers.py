@@ -30,14 +30,13 @@ from typing import Any
 
 import torch
 
+from ...limits import DEFAULT_MAX_BATCH_TOKENS
 from ..backend import Group, Scored, Steps, run_steps
 from ..caches import PrefixCache, default_prefix_cache_bytes
 from ..packing import PackedRow, common_prefix, pack, split_rows
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "ROW_TOKENS", "Stats", "TransformersBackend"]
+__all__ = ["ROW_TOKENS", "Stats", "TransformersBackend"]
 
-# On a CPU a forward pass over ~1,000 tokens is as efficient as it gets: larger batches only add latency and memory.
-DEFAULT_MAX_BATCH_TOKENS = 1024
 # Rows of question tails are packed to at most this many tokens, so that passes can be cut small (``step_budget``)
 # when other requests are waiting; uncontended, several rows still share one pass of ``max_batch_tokens``.
 ROW_TOKENS = 128

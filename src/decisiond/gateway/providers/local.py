@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-from ...engine.local import LocalEngine
 from ...engine.prompt import PROMPT_FORMAT_VERSION
 from ..config import ProviderConfig
 from ..limits import LOCAL
 from .base import Provider
+
+if TYPE_CHECKING:  # the engine (torch, transformers) is imported by whoever builds one, not by the gateway
+    from ...engine.local import LocalEngine
 
 __all__ = ["LocalProvider"]
 
