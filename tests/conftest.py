@@ -12,27 +12,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import inspect  # noqa: E402
 
 import pytest  # noqa: E402
-from servers import start_decisiond, warm  # noqa: E402
+from servers import start_decisiond  # noqa: E402
 
-# Fixtures that run the real SmolLM2 model. A test that uses one of them, or asks for ``smollm_dir`` itself (not
-# only through the tokenizer the tiny model shares), is marked ``model``: ``pytest -m "not model"`` is the fast
-# everyday subset.
+# Markers, set here from what a test uses so that no test has to remember them:
+# - ``model``: runs the real SmolLM2 model (one of these fixtures, or ``smollm_dir`` asked for directly rather than
+#   only through the tokenizer the tiny model shares);
+# - ``services``: starts PostgreSQL, Redis, Chromium or several replicas (fixtures below, or a ``postgresql`` param);
+# - ``reliability``: everything under tests/reliability (hostile input, misbehaving upstreams, fuzzing, load);
+# - ``slow``: any of the above, or marked by hand (a whole CLI run, a kill and resume, a fresh interpreter).
+# ``pytest -m "not slow"`` is the everyday subset; ``pytest`` runs everything, as CI does.
 REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
-
-
-def pytest_sessionstart(session):
-    # Under xdist the controller runs no test: only the workers (and a plain run) need decisiond processes.
-    if not getattr(session.config.option, "numprocesses", None) or hasattr(session.config, "workerinput"):
-        warm()
+SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         direct = set(inspect.signature(item.function).parameters) if hasattr(item, "function") else set()
+        params = [str(v) for v in getattr(getattr(item, "callspec", None), "params", {}).values()]
         if REAL_MODEL_FIXTURES & set(item.fixturenames) or "smollm_dir" in direct:
             item.add_marker(pytest.mark.model)
+        if SERVICE_FIXTURES & set(item.fixturenames) or "postgresql" in params:
+            item.add_marker(pytest.mark.services)
         if "reliability" in item.path.parts:
             item.add_marker(pytest.mark.reliability)
+        if {"model", "services", "reliability"} & {m.name for m in item.iter_markers()}:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -284,6 +284,7 @@ def test_no_secret_reaches_a_log_line_or_an_error_body(gateway):
     assert "Bearer" not in log
 
 
+@pytest.mark.slow
 def test_refuses_to_serve_a_public_host_without_keys(tmp_path):
     # A new interpreter, as a user starts it: ``python -m decisiond.cli``.
     done = run_decisiond("serve", "--host", "0.0.0.0", "--port", "1", fresh=True, timeout=60,

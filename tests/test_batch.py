@@ -9,6 +9,7 @@ import signal
 import time
 from collections import Counter
 
+import pytest
 from servers import Child, decisiond
 
 QUESTIONS = [{"type": "predicate", "name": "billing", "instructions": "Is this about billing?"},
@@ -56,6 +57,7 @@ def check_complete(out, count: int) -> None:
     assert abs(sum(p["probability"] for p in one["answers"][1]["probabilities"]) - 1) < 1e-9
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_answering_twice(tiny_dir, tmp_path):
     count = 120
     source, questions = write_source(tmp_path, count)

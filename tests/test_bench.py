@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from servers import run_decisiond
 
 from decisiond.bench import runner, workload
@@ -20,6 +21,7 @@ def test_workload_is_reproducible_and_sized():
     assert len(a[0].questions[1].levels) == 3
 
 
+@pytest.mark.slow
 def test_bench_command_end_to_end(tiny_dir, tmp_path):
     out, raw = tmp_path / "RESULTS.md", tmp_path / "RESULTS.json"
     done = run_decisiond("bench", "--model", tiny_dir, "--tickets", "2", "--questions", "3,10", "--clients", "1,2",

@@ -11,6 +11,8 @@ import pytest
 from servers import start_decisiond
 from services import start_redis
 
+pytestmark = pytest.mark.services  # every test here runs replicas over Redis or PostgreSQL
+
 QUESTION = {"type": "predicate", "name": "billing", "instructions": "Is this about billing?"}
 
 CONFIG = """

@@ -60,6 +60,7 @@ def check(answer: dict, body: dict, model: str) -> None:
     assert answer["answers"][0]["label_mass"] > 0
 
 
+@pytest.mark.slow
 def test_stdio(tiny_dir, tiny_server):
     params = StdioServerParameters(command=sys.executable, args=[
         "-m", "decisiond.cli", "mcp", "--model", tiny_dir, "--served-model-name", "tiny-modes", "--log-level",

@@ -11,6 +11,8 @@ import pytest
 from servers import start_decisiond
 from services import start_postgres, start_redis
 
+pytestmark = pytest.mark.services  # every test here runs replicas over Redis or PostgreSQL
+
 MASTER = "replica-master-key-0123456789"
 STATIC = "replica-static-key-0123456789"
 QUESTION = {"type": "predicate", "name": "billing", "instructions": "Is this about billing?"}
