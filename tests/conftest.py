@@ -12,7 +12,42 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import inspect  # noqa: E402
 
 import pytest  # noqa: E402
-from servers import start_decisiond  # noqa: E402
+from servers import start_decisiond, warm  # noqa: E402
+
+
+def _one_default_ssl_context() -> None:
+    """Every client in these tests speaks plain HTTP on loopback, yet each new HTTP client (each ``httpx.get``, each
+    ``OpenAI(...)`` or ``TypeSafeClient(...)``; the SDKs use the ``httpx2`` fork) loads the CA bundle: ~50 ms of CPU,
+    8 s over three test files. The default context is built once per library and shared; any other verify or cert
+    setting is built as usual."""
+    import functools
+    import importlib
+
+    for name in ("httpx", "httpx2"):
+        try:
+            transports = importlib.import_module(f"{name}._transports.default")
+        except ImportError:
+            continue
+        build = transports.create_ssl_context
+        default = functools.cache(build)
+
+        def create_ssl_context(verify=True, cert=None, trust_env=True, build=build, default=default):
+            if verify is True and cert is None and trust_env is True:
+                return default()
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+
+        transports.create_ssl_context = create_ssl_context
+
+
+_one_default_ssl_context()
+
+
+def pytest_sessionstart(session):
+    # The preloading forkserver of tests/servers.py does its imports while the tests are collected. Under xdist the
+    # controller runs no test: only the workers (and a plain run) start decisiond processes.
+    if not getattr(session.config.option, "numprocesses", None) or hasattr(session.config, "workerinput"):
+        warm()
+
 
 # Markers, set here from what a test uses so that no test has to remember them:
 # - ``model``: runs the real SmolLM2 model (one of these fixtures, or ``smollm_dir`` asked for directly rather than
@@ -22,6 +57,7 @@ from servers import start_decisiond  # noqa: E402
 # - ``slow``: any of the above, or marked by hand (a whole CLI run, a kill and resume, a fresh interpreter).
 # ``pytest -m "not slow"`` is the everyday subset; ``pytest`` runs everything, as CI does.
 REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
+REAL_MODEL_SERVER = {"server", "openai_client"}
 SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser"}
 
 
@@ -37,6 +73,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.reliability)
         if {"model", "services", "reliability"} & {m.name for m in item.iter_markers()}:
             item.add_marker(pytest.mark.slow)
+    schedule(items)
+
+
+def schedule(items) -> None:
+    """xdist (``--dist loadgroup``) keeps a group on one worker: each test file is a group, so that its module
+    fixtures start once, except that every file using the real SmolLM2 server shares one group, so that only one
+    worker starts that server. Files that start no process go first (they run while the forkserver of
+    ``tests/servers.py`` does its imports), then the SmolLM2 group, the longest, then files with slow tests, so that
+    no long file starts last and leaves one worker running alone."""
+    files_on_server = {item.path for item in items if REAL_MODEL_SERVER & set(item.fixturenames)}
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    in_process = {item.path for item in items} - {item.path for item in items if starts_processes(item)}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("smollm-server" if item.path in files_on_server else
+                                                item.path.name))
+    items.sort(key=lambda item: 0 if item.path in in_process else 1 if item.path in files_on_server else
+               2 if item.path in slow_files else 3)
+
+
+def starts_processes(item) -> bool:
+    """Whether a test's module starts decisiond, Redis, PostgreSQL or a browser (by what it imports or uses)."""
+    module = vars(item.module) if hasattr(item, "module") else {}
+    return bool({"start_decisiond", "run_decisiond", "decisiond", "start_redis", "start_postgres", "subprocess"}
+                & set(module)) or bool({"tiny_server", "server", *SERVICE_FIXTURES} & set(item.fixturenames))
 
 
 @pytest.fixture(scope="session")

@@ -249,7 +249,7 @@ class ChatUpstream:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
         self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     @property
     def url(self) -> str:

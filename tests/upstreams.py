@@ -74,7 +74,7 @@ class Upstream:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
         self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()  # stop() waits one poll
         return self
 
     def stop(self) -> None:
