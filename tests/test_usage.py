@@ -111,13 +111,26 @@ def ask(server, key: str, model: str):
 
 
 def audit(server, **params) -> list[dict]:
-    return httpx.get(server.url + "/admin/audit", headers=ADMIN, params=params, timeout=30).json()["data"]
+    """Every audit row matching ``params``, newest first, page after page (``next_before_id``) up to ``limit``
+    rows in all (the admin API returns at most 1,000 a page)."""
+    wanted = int(params.pop("limit", 100))
+    rows: list[dict] = []
+    before = None
+    while len(rows) < wanted:
+        page = httpx.get(server.url + "/admin/audit", headers=ADMIN, timeout=30,
+                         params={**params, "limit": min(1000, wanted - len(rows)),
+                                 **({"before_id": before} if before else {})}).json()
+        rows += page["data"]
+        before = page["next_before_id"]
+        if not before:
+            break
+    return rows
 
 
 def wait_for_rows(server, count: int, **params) -> list[dict]:
     deadline = time.monotonic() + 20
     while True:
-        rows = audit(server, limit=1000, **params)
+        rows = audit(server, limit=100_000, **params)
         if len(rows) >= count or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
@@ -328,7 +341,7 @@ def test_stopping_postgres_for_10_s_under_load_loses_no_request_and_no_usage_rec
     config.write_text(CONFIG)
     server = start_decisiond("--config", str(config), env=_env(ups, shared_postgres.url))
     try:
-        start = len(audit(server, key="static:bob", limit=1000))
+        start = len(audit(server, key="static:bob", limit=100_000))
         ids: list[str] = []
         failures: list[str] = []
         stop_at = time.monotonic() + 16
