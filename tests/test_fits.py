@@ -23,6 +23,7 @@ from decisiond.engine.calibration import (
     fit,
     folds,
     regularised_fit,
+    shifts,
 )
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.prompt import PROMPT_FORMAT_VERSION
@@ -68,6 +69,26 @@ def held_out_log_loss(samples: list[Sample], contextual: bool, with_bias: bool, 
         pairs += [(combine(samples[i].variants, contextual, fitted.temperature, fitted.bias)[0], samples[i].gold)
                   for i in held]
     return evaluation.metrics(pairs, 0.5)["log_loss"]
+
+
+def test_fits_over_choices_with_different_option_counts():
+    """Under cyclic order a 2-option and a 4-option choice have 2 and 4 variants: the padded variants and positions
+    count for nothing. The fit's loss is checked against the metrics computed the long way through ``combine``."""
+    rng = random.Random(5)
+    samples = []
+    for i in range(12):
+        n = 2 if i % 2 else 4
+        variants = [VariantEvidence(order, [rng.gauss(0, 2) for _ in range(n)]) for order in shifts(n, True)]
+        samples.append(Sample("choice", variants, rng.randrange(n)))
+
+    def long_way(fitted: Fit) -> float:
+        return evaluation.metrics([(combine(s.variants, False, fitted.temperature, fitted.bias or None)[0], s.gold)
+                                   for s in samples], 0.5)["log_loss"]
+
+    assert regularised_fit(samples, with_bias=True).base_log_loss == pytest.approx(long_way(Fit()), rel=1e-9)
+    fitted = fit(samples, with_bias=True)
+    assert math.isfinite(fitted.temperature) and len(fitted.bias) == 4 and all(map(math.isfinite, fitted.bias))
+    assert fitted.temperature != 1.0 and long_way(fitted) < long_way(Fit())
 
 
 @pytest.mark.parametrize("base", ["raw", "both"])
