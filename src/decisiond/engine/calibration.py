@@ -182,7 +182,7 @@ class _Batch:
         onehot = np.zeros_like(p)
         np.put_along_axis(onehot, self.gold[..., None], 1.0, axis=-1)
         g = np.where(self.valid, a[..., None] * (p - onehot), 0.0)
-        d_log_t = float(-np.where(self.valid, g * scaled, 0.0).sum())
+        d_log_t = float(-(g * np.where(self.valid, scaled, 0.0)).sum())  # g is 0 where scaled is -inf
         d_bias = g.sum(axis=(0, 1)) / math.exp(log_t)
         return loss, d_log_t, d_bias
 
