@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy import optimize
 
 from .. import probability
 
@@ -189,6 +188,8 @@ class _Batch:
 
 def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100) -> Fit:
     """Minimise ``loss + strength · (log² T + |b|²)`` by L-BFGS on the analytic gradient."""
+    from scipy import optimize  # only eval and calibrate fit: serving does not pay for the import (~0.5 s)
+
 
     def objective(x: NDArray[np.float64]) -> tuple[float, NDArray[np.float64]]:
         log_t = float(x[0])
