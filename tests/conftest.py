@@ -10,6 +10,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import inspect  # noqa: E402
+import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 from servers import start_decisiond, warm  # noqa: E402
@@ -94,9 +95,14 @@ def schedule(items) -> None:
 
 def starts_processes(item) -> bool:
     """Whether a test's module starts decisiond, Redis, PostgreSQL or a browser (by what it imports or uses)."""
+    import servers
+    import services
+
+    launchers = {id(f) for f in (servers.start_decisiond, servers.run_decisiond, servers.decisiond,
+                                 services.start_redis, services.start_postgres, subprocess)}
     module = vars(item.module) if hasattr(item, "module") else {}
-    return bool({"start_decisiond", "run_decisiond", "decisiond", "start_redis", "start_postgres", "subprocess"}
-                & set(module)) or bool({"tiny_server", "server", *SERVICE_FIXTURES} & set(item.fixturenames))
+    return bool(launchers & {id(value) for value in module.values()}) or \
+        bool({"tiny_server", "server", *SERVICE_FIXTURES} & set(item.fixturenames))
 
 
 @pytest.fixture(scope="session")

@@ -176,7 +176,8 @@ def test_large_requests_go_in_short_passes_and_small_ones_in_full_passes(tiny, m
     second = scheduler.submit(document_prompts(4, list(range(1000, 1400))), LABELS * 4)
     release.set()
     a, b = first.future.result(60), second.future.result(60)
-    # Long documents: every pass a quarter of the budget, so a request arriving meanwhile waits for one short pass.
+    # Long documents: passes of an eighth of the budget (a question's tail, 12 tokens here, is never split), so a
+    # request arriving meanwhile waits for one short pass.
     assert len(stepper.sizes) > 40 and max(stepper.sizes) <= 16
     for prompts, result in ((first.job.group.prompts, a), (second.job.group.prompts, b)):
         for prompt, got in zip(prompts, result.logprobs):
