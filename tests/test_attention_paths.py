@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
-from decisiond.engine.backend import Group
+from decisiond.engine.backends.base import Group
 from decisiond.engine.backends.transformers import TransformersBackend
 from decisiond.engine.local import LocalEngine
 from decisiond.probability import label_probabilities

@@ -248,10 +248,10 @@ def test_the_calibration_profile_in_force_is_part_of_the_key(tiny):
     from decisiond.canonical import DecisionRequest, Message, Question, Text
     from decisiond.engine.calibration import Fit, Profile
     from decisiond.engine.local import LocalEngine
-    from decisiond.gateway.cache import CacheStage, ResponseCache
-    from decisiond.gateway.config import CacheConfig
-    from decisiond.gateway.pipeline import Context
     from decisiond.gateway.router import Router
+    from decisiond.gateway.settings import CacheConfig
+    from decisiond.gateway.stages.cache import CacheStage, ResponseCache
+    from decisiond.gateway.types import Context
 
     request = DecisionRequest((Message("user", (Text("hi"),)),), (Question("yes_no", "q", (Text("?"),)),))
     keys = []

@@ -13,7 +13,7 @@ import torch
 from conftest import blocked, tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Message, Option, Question, ScoreRequest, Text
-from decisiond.engine.backend import Scored
+from decisiond.engine.backends.base import Scored
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.prompt import TEMPLATE_KWARGS_ENTRIES
 from decisiond.engine.scheduler import Scheduler

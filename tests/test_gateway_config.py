@@ -7,7 +7,8 @@ import pytest
 from decisiond.dialects import openai as oa_wire
 from decisiond.dialects import systemone as s1
 from decisiond.errors import DecisionError
-from decisiond.gateway import config, limits
+from decisiond.gateway import config, settings
+from decisiond.gateway import sizes as limits
 
 
 def test_env_interpolation(monkeypatch):
@@ -56,7 +57,7 @@ def test_image_reading_defaults():
     from decisiond.gateway.providers import build
 
     def reads(**fields):
-        return build(config.ProviderConfig(**fields)).reads_images
+        return build(settings.ProviderConfig(**fields)).reads_images
 
     assert reads(name="jev", type="systemone", base_url="https://api.typesafe.ai/")
     assert not reads(name="kev", type="systemone", base_url="http://kev:8008")
@@ -114,6 +115,6 @@ def test_limit_checks():
     limits.check_openai(request)
     limits.check_provider(request, limits.SYSTEM_ONE, "kev")
     with pytest.raises(DecisionError, match="kev takes at most 1 levels per question, got 2") as e:
-        limits.check_provider(request, config.Limits(max_levels=1), "kev")
+        limits.check_provider(request, settings.Limits(max_levels=1), "kev")
     assert e.value.path == ("questions", 2, "levels", 1) and e.value.code == "limit_exceeded"
-    assert limits.estimated_tokens(request)[0] == pytest.approx((19 + 22) / 4, abs=1)
+    assert limits.question_tokens(request)[0] == pytest.approx((19 + 22) / 4, abs=1)

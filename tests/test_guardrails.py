@@ -17,7 +17,8 @@ from servers import start_decisiond
 
 from decisiond.canonical import DecisionRequest, Json, Message, Question, Text, ToolCall
 from decisiond.errors import DecisionError
-from decisiond.gateway.guardrails import GuardrailConfig, GuardrailSet, apply_texts, decision_texts
+from decisiond.gateway.settings import GuardrailConfig
+from decisiond.gateway.stages.guardrails import GuardrailSet, apply_texts, decision_texts
 
 # ------------------------------------------------------------------------------------------------ in process
 
@@ -593,7 +594,7 @@ def chat_cost(input_tokens: int, output_tokens: int) -> float:
 
 
 def test_usage_is_read_from_json_answers_and_from_events_however_the_chunks_fall():
-    from decisiond.gateway.passthrough import UsageMeter
+    from decisiond.gateway.chat import UsageMeter
 
     def chunks(data: bytes, size: int) -> list[bytes]:
         return [data[i:i + size] for i in range(0, len(data), size)]

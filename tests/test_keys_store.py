@@ -10,8 +10,8 @@ import pytest
 from servers import run_decisiond
 from services import start_postgres
 
-from decisiond.store import Database, KeyStore
-from decisiond.store.keys import split_key
+from decisiond.store.db import Database
+from decisiond.store.keys import KeyStore, split_key
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,8 @@ def test_decide_many_keeps_order_and_reports_bad_items(engine):
     items = ["My parcel never arrived.", {"input": TICKET, "questions": [QUESTIONS[0].to_dict()]}, 42,
              "Please refund me."]
     results = engine.decide_many(items, QUESTIONS[:2], concurrency=3)
-    assert [type(r).__name__ for r in results] == ["Decision", "Decision", "DecisionError", "Decision"]
+    assert [type(r).__name__ for r in results] == ["Decision", "Decision", "InvalidRequest", "Decision"]
+    assert isinstance(results[2], decisiond.DecisionError)
     assert [a.name for a in results[1].answers] == ["billing"]
     assert "input" in str(results[2])
     single = engine.decide("Please refund me.", QUESTIONS[:2])

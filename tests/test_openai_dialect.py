@@ -96,7 +96,7 @@ def bad(body_update=None, question=None, **top):
 
 def over_limits(**top):
     """Parsed fine, then refused by OpenAI's limits, which the gateway checks for every dialect."""
-    from decisiond.gateway.limits import check_openai
+    from decisiond.gateway.sizes import check_openai
 
     request = d.parse_request({"model": "m", "input": "x", "questions": [{"type": "predicate", "instructions": "?"}],
                                **top})

@@ -9,10 +9,11 @@ import httpx
 import pytest
 
 from decisiond.errors import DecisionError
-from decisiond.gateway.pipeline import Context, Pipeline
+from decisiond.gateway.pipeline import Pipeline
 from decisiond.gateway.router import Router
 from decisiond.gateway.service import Gateway
-from decisiond.server import create_app
+from decisiond.gateway.types import Context
+from decisiond.server.app import create_app
 
 
 class Record:

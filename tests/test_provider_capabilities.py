@@ -12,11 +12,11 @@ import pytest
 
 from decisiond.canonical import DecisionRequest, Message, Question, ScoreRequest, ScoreResult, Text
 from decisiond.errors import DecisionError
-from decisiond.gateway.cache import cache_key
-from decisiond.gateway.config import ProviderConfig
 from decisiond.gateway.providers.base import Provider
 from decisiond.gateway.router import Router, Target
-from decisiond.metrics import EngineCollector
+from decisiond.gateway.settings import ProviderConfig
+from decisiond.gateway.stages.cache import cache_key
+from decisiond.server.metrics import EngineCollector
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "decisiond"
 

@@ -15,15 +15,7 @@ from typesafe_sdk import Choice, RetryPolicy, TypeSafeClient, TypeSafeUnprocessa
 
 from decisiond import evaluation
 from decisiond.canonical import DecisionRequest, Message, Option, Question, Text
-from decisiond.engine.calibration import (
-    CONTENT_FREE,
-    Fit,
-    Profile,
-    Sample,
-    VariantEvidence,
-    combine,
-    fit,
-)
+from decisiond.engine.calibration import CONTENT_FREE, Fit, Profile, Sample, VariantEvidence, combine, fit
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.prompt import PROMPT_FORMAT_VERSION, labels_for, render_question
 from decisiond.probability import label_probabilities

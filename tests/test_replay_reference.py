@@ -14,7 +14,7 @@ import torch
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
 from decisiond.gateway.router import Router
 from decisiond.probability import label_probabilities
-from decisiond.server import create_app
+from decisiond.server.app import create_app
 
 TICKET = ("I have been trying to connect my Stripe account for three days and the integration keeps failing with a "
           "timeout. We are losing sales every hour and nobody has answered my two previous emails. Account 5531.")

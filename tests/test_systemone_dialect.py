@@ -10,7 +10,7 @@ from test_prompt import with_template
 from decisiond.canonical import Answer, DecisionResult, Image, Json, Text, Usage
 from decisiond.dialects import systemone as s1
 from decisiond.errors import DecisionError
-from decisiond.transport import UploadedFile
+from decisiond.server.payload import UploadedFile
 
 
 def parse(**body):

@@ -8,15 +8,29 @@ The Python library (see ``decisiond.library``)::
     decision["billing"].probability
 """
 
-__version__ = "0.1.0"
-
-from .library import (  # noqa: E402
+from .errors import (
+    AuthenticationFailed,
+    BudgetExceeded,
+    ConnectionFailed,
+    DecisionError,
+    GuardrailBlocked,
+    InvalidRequest,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    ProviderError,
+    ProviderTimeout,
+    RateLimited,
+    ServerError,
+    Timeout,
+    Unavailable,
+)
+from .library import (
     Answer,
     Choice,
     ChoiceAnswer,
     Client,
     Decision,
-    DecisionError,
     Engine,
     Predicate,
     PredicateAnswer,
@@ -28,21 +42,36 @@ from .library import (  # noqa: E402
     load,
     questions_from,
 )
+from .version import __version__
 
 __all__ = [
     "Answer",
+    "AuthenticationFailed",
+    "BudgetExceeded",
     "Choice",
     "ChoiceAnswer",
     "Client",
+    "ConnectionFailed",
     "Decision",
     "DecisionError",
     "Engine",
+    "GuardrailBlocked",
+    "InvalidRequest",
+    "LimitExceeded",
+    "NotFound",
+    "PermissionDenied",
     "Predicate",
     "PredicateAnswer",
+    "ProviderError",
+    "ProviderTimeout",
     "QuestionLike",
+    "RateLimited",
     "Refusal",
     "Score",
     "ScoreAnswer",
+    "ServerError",
+    "Timeout",
+    "Unavailable",
     "Usage",
     "__version__",
     "load",

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import DecisionError, openai_param
+from .errors import DecisionError, InvalidRequest, openai_param
 from .library import Decision, QuestionLike, _Decider
-
-__all__ = ["Summary", "answered_lines", "run", "run_async"]
 
 
 @dataclass
@@ -112,7 +110,7 @@ async def run_async(decider: _Decider, source: Path, out: Path, questions: Seque
                     document = json.loads(raw)
                 except ValueError as e:
                     summary.errors += 1
-                    write(_error_record(number, DecisionError(f"line {number} is not JSON: {e}",
+                    write(_error_record(number, InvalidRequest(f"line {number} is not JSON: {e}",
                                                               code="invalid_json")))
                     continue
                 ident, item = _item(document)

@@ -13,29 +13,6 @@ from typing import Any, Literal, Union
 
 from .errors import Path
 
-__all__ = [
-    "Answer",
-    "DecisionRequest",
-    "DecisionResult",
-    "Image",
-    "Item",
-    "Json",
-    "Level",
-    "Message",
-    "Option",
-    "Part",
-    "Question",
-    "QuestionKind",
-    "ScoreRequest",
-    "ScoreResult",
-    "Text",
-    "TextValue",
-    "ToolCall",
-    "ToolOutput",
-    "UNORDERED",
-    "Usage",
-]
-
 # A piece of text the prompt renders: a string as is, an object or array as compact JSON.
 TextValue = Union[str, dict[str, Any], list[Any]]
 

@@ -10,29 +10,17 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, logs
+from . import logs
 from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from .version import __version__
 
 if TYPE_CHECKING:
     from . import library
     from .engine.calibration import Profile
     from .engine.local import LocalEngine
-    from .gateway.config import GatewayConfig
     from .gateway.router import Router
+    from .gateway.settings import GatewayConfig
 
-__all__ = [
-    "build_parser",
-    "cmd_batch",
-    "cmd_bench",
-    "cmd_calibrate",
-    "cmd_decide",
-    "cmd_eval",
-    "cmd_keys",
-    "cmd_mcp",
-    "cmd_serve",
-    "cmd_usage",
-    "main",
-]
 
 log = logging.getLogger("decisiond")
 
@@ -154,8 +142,9 @@ def _loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .gateway.config import ConfigError, GatewayConfig
+    from .gateway.config import ConfigError
     from .gateway.service import Gateway
+    from .gateway.settings import GatewayConfig
 
     try:
         config = _load_config(args)
@@ -172,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .engine.calibration import ProfileError
     from .engine.model import ModelNotFound
-    from .server import Settings, create_app
+    from .server.app import Settings, create_app
 
     try:
         router = _router(args, config)
@@ -195,9 +184,9 @@ def cmd_decide(args: argparse.Namespace) -> int:
     from .dialects.common import parse_json
     from .engine.calibration import ProfileError
     from .errors import DecisionError
-    from .gateway.pipeline import Context
     from .gateway.router import Router
     from .gateway.service import Gateway
+    from .gateway.types import Context
 
     raw = sys.stdin.buffer.read() if args.file in (None, "-") else open(args.file, "rb").read()
     try:
@@ -210,7 +199,8 @@ def cmd_decide(args: argparse.Namespace) -> int:
         router = Router.local_only(engine)
         context = Context("cli", "decide", "openai", strict_model=False)
         result = asyncio.run(Gateway(router).pipeline.run(context, request))
-        assert isinstance(result, canonical.DecisionResult)
+        if not isinstance(result, canonical.DecisionResult):
+            raise TypeError(f"the pipeline answered a decision with a {type(result).__name__}")
         out, code = dialect.render_response(result, request), 0
     except DecisionError as error:
         out, code = dialect.error_body(error), 1
@@ -259,10 +249,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def cmd_mcp(args: argparse.Namespace) -> int:
     """The MCP server over stdio (tools decide and list_models), on the model or the gateway config given."""
-    from . import mcp_server
     from .engine.model import ModelNotFound
     from .gateway.config import ConfigError
     from .gateway.service import Gateway
+    from .server import mcp as mcp_server
 
     try:
         config = _load_config(args)
@@ -355,10 +345,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
     the default SQLite file): the same code as the admin API."""
     from datetime import datetime, timedelta, timezone
 
-    from .gateway.config import ConfigError, RateLimitConfig, check_user_path
-    from .gateway.guardrails import unknown_guardrail
+    from .gateway.config import ConfigError
     from .gateway.service import DATABASE_URL_ENV
-    from .store import Database, KeyStore
+    from .gateway.settings import RateLimitConfig, check_user_path, unknown_guardrail
+    from .store.db import Database
+    from .store.keys import KeyStore
 
     try:
         config = _load_config(args)
@@ -425,7 +416,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from .gateway import usage
     from .gateway.config import ConfigError
     from .gateway.service import DATABASE_URL_ENV
-    from .store import Database
+    from .store.db import Database
 
     try:
         config = _load_config(args)

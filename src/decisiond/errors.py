@@ -1,55 +1,202 @@
-"""The one exception type every layer raises for a refused request.
+"""decisiond's one exception tree, as httpx has one: every refusal, anywhere, is a ``DecisionError``.
 
-A refusal carries the field at fault as a path in the wire terms of the dialect that parsed the request
-(each canonical object remembers where it came from), so every dialect can render it in its own error shape:
-OpenAI's ``param`` string, System One's FastAPI ``loc`` list, SGLang's message.
+```
+DecisionError                  the root: message, field path, code, HTTP status, OpenAI error type
+├── InvalidRequest             400 (System One: 422 when ``validation``): the request is malformed
+│   └── LimitExceeded          400 ``limit_exceeded``, 413 ``request_too_large``: over a limit
+├── AuthenticationFailed       401: no key, or a wrong, revoked or expired one
+├── BudgetExceeded             402 ``budget_exceeded``: a budget has no room for the request
+├── PermissionDenied           403: the key may not do this (a model outside its allowlist, …)
+├── NotFound                   404: no such model, key or budget
+├── GuardrailBlocked           400 ``guardrail_blocked``: a prompt guardrail refused the request
+├── RateLimited                429 ``rate_limit_exceeded``, with retry headers
+├── Timeout                    504: the request's deadline passed
+├── ProviderError              a provider (an upstream, or the local model) failed: 5xx, or the upstream's 4xx
+│   └── ProviderTimeout        504 ``upstream_timeout``: a provider did not answer in time (also a Timeout)
+├── Unavailable                503: the server cannot take the request now (busy, its database down)
+├── ConnectionFailed           ``decisiond.Client`` could not reach the server
+└── ServerError                500: a fault of decisiond's own
+```
+
+A refusal carries the field at fault as a path in the wire terms of the dialect that parsed the request (each
+canonical object remembers where it came from), so that each dialect renders it at one boundary in its own error
+shape: OpenAI's ``param`` string, System One's FastAPI ``loc`` list, SGLang's message. Each class sets its status,
+code and OpenAI error type; a raise may name a more precise code.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
-from typing import Any
-
-__all__ = [
-    "ClientGone",
-    "DecisionError",
-    "FAILOVER_STATUSES",
-    "Path",
-    "UPSTREAM_MESSAGE_LIMIT",
-    "UpstreamError",
-    "invalid",
-    "openai_param",
-    "refused",
-    "upstream_error",
-]
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 Path = tuple[str | int, ...]
 
 
-@dataclass
 class DecisionError(Exception):
-    message: str
-    path: Path = ()
-    code: str = "invalid_value"
-    status: int = 400
-    # OpenAI's error type; also decides System One's 422 (invalid request) versus 400 (other refusal).
-    type: str = "invalid_request_error"
-    # Set on errors that are about the request's shape (System One answers those with 422).
-    validation: bool = False
-    headers: dict[str, str] = field(default_factory=dict)
-    # Every problem found, FastAPI style ({loc, msg, type}), when the error came from schema validation.
-    details: list[dict[str, Any]] | None = None
+    """The root of decisiond's exceptions: a refused or failed request.
 
-    def __post_init__(self) -> None:
-        super().__init__(self.message)
+    ``message`` is for people; ``path`` names the field at fault; ``code`` is the machine-readable reason;
+    ``status`` the HTTP status; ``type`` OpenAI's error type; ``validation`` marks errors about the request's shape
+    (System One answers those with 422); ``headers`` go on the HTTP response; ``details`` lists every problem
+    found (FastAPI style ``{loc, msg, type}``) when the error came from schema validation.
+    """
+
+    status: int = 400
+    code: str = "invalid_value"
+    type: str = "invalid_request_error"
+    validation: bool = False
+    default_headers: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(self, message: str, path: Path = (), *, code: str | None = None, status: int | None = None,
+                 type: str | None = None, validation: bool | None = None,
+                 headers: Mapping[str, str] | None = None, details: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path: Path = tuple(path)
+        cls = self.__class__
+        self.code = code if code is not None else cls.code
+        self.status = status if status is not None else cls.status
+        self.type = type if type is not None else cls.type
+        self.validation = validation if validation is not None else cls.validation
+        self.headers: dict[str, str] = {**cls.default_headers, **(headers or {})}
+        self.details = details
 
     def __str__(self) -> str:
         return self.message
 
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.message!r}, code={self.code!r}, status={self.status})"
+
+
+class InvalidRequest(DecisionError):
+    """The request is malformed or asks for something this server does not do."""
+
+
+class LimitExceeded(InvalidRequest):
+    """The request is over a limit (questions, choices, tokens, body size, …); it is never split or cut."""
+
+    code = "limit_exceeded"
+
+
+class AuthenticationFailed(DecisionError):
+    """401: no API key, or a wrong, revoked or expired one."""
+
+    status = 401
+    code = "invalid_api_key"
+    type = "authentication_error"
+    default_headers = {"www-authenticate": "Bearer"}
+
+
+class BudgetExceeded(DecisionError):
+    """402: a budget of the key, its user path or the model has no room for the request; it resets with its
+    period (``retry-after``)."""
+
+    status = 402
+    code = "budget_exceeded"
+    type = "insufficient_quota"
+
+
+class PermissionDenied(DecisionError):
+    """403: the key may not do this (a model outside its allowlist, a user path outside its own, a master route)."""
+
+    status = 403
+    code = "permission_denied"
+    type = "permission_error"
+
+
+class NotFound(DecisionError):
+    """404: no such model, key or budget."""
+
+    status = 404
+    code = "not_found"
+    type = "not_found_error"
+
+
+class GuardrailBlocked(DecisionError):
+    """400: a prompt guardrail refused the request; the provider was not called."""
+
+    code = "guardrail_blocked"
+
+
+class RateLimited(DecisionError):
+    """429 with the retry headers both SDKs honour (``retry-after-ms`` first, then ``Retry-After``)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float | None = None, *, headers: Mapping[str, str] | None = None,
+                 **kwargs: Any):
+        merged = dict(headers or {})
+        if retry_after_s is not None:
+            retry_after_s = max(retry_after_s, 0.001)
+            merged.update({"retry-after": str(max(1, math.ceil(retry_after_s))),
+                           "retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000)))})
+        super().__init__(message, headers=merged, **kwargs)
+
+
+class Timeout(DecisionError):
+    """504: the request's deadline passed (``x-decisiond-timeout-ms``, a virtual model's deadline)."""
+
+    status = 504
+    code = "deadline_exceeded"
+    type = "api_error"
+
+
+class ProviderError(DecisionError):
+    """A provider's failure, kept with its status and message (cut to 512 characters, credentials scrubbed).
+
+    ``failover``: the provider was unavailable (429, 5xx, 529, a timeout or a broken connection), so the next
+    target of a failover chain may answer; validation errors (other 4xx) end the chain.
+    """
+
+    status = 502
+    code = "provider_error"
+    type = "api_error"
+
+    def __init__(self, message: str, path: Path = (), *, failover: bool = False, provider: str = "",
+                 **kwargs: Any):
+        super().__init__(message, path, **kwargs)
+        self.failover = failover
+        self.provider = provider
+
+
+class ProviderTimeout(ProviderError, Timeout):
+    """504: a provider did not answer in time."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class Unavailable(DecisionError):
+    """503: the server cannot take the request now (the model is busy, its database is down); retry later."""
+
+    status = 503
+    code = "unavailable"
+    type = "server_error"
+
+
+class ConnectionFailed(DecisionError):
+    """``decisiond.Client`` could not reach the server (refused, reset, or no answer)."""
+
+    status = 503
+    code = "connection_failed"
+    type = "api_connection_error"
+
+
+class ServerError(DecisionError):
+    """500: a fault of decisiond's own; never carries a traceback."""
+
+    status = 500
+    code = "internal_error"
+    type = "server_error"
+
 
 class ClientGone(Exception):
-    """The client disconnected before its answer was ready (or, on chat routes, while it streamed)."""
+    """The client disconnected before its answer was ready (or, on chat routes, while it streamed). Not a refusal:
+    nobody is there to read one."""
 
     status = 499  # nginx's "client closed request": only ever in logs and usage records
     code = "client_closed_request"
@@ -68,29 +215,18 @@ def openai_param(path: Path) -> str | None:
     return out
 
 
-def invalid(message: str, *path: str | int, code: str = "invalid_value") -> DecisionError:
-    return DecisionError(message, tuple(path), code=code, validation=True)
+def invalid(message: str, *path: str | int, code: str = "invalid_value") -> InvalidRequest:
+    """A malformed request (System One: 422)."""
+    return InvalidRequest(message, tuple(path), code=code, validation=True)
 
 
-def refused(message: str, *path: str | int, code: str = "unsupported_value") -> DecisionError:
-    return DecisionError(message, tuple(path), code=code)
+def refused(message: str, *path: str | int, code: str = "unsupported_value") -> InvalidRequest:
+    """A well-formed request this server does not do (400 everywhere)."""
+    return InvalidRequest(message, tuple(path), code=code)
 
 
 UPSTREAM_MESSAGE_LIMIT = 512
 FAILOVER_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
-
-
-@dataclass
-class UpstreamError(DecisionError):
-    """An upstream provider's error, kept with its status and message (cut to 512 characters).
-
-    ``failover``: the provider was unavailable (429, 5xx, 529, a timeout or a broken connection), so the next
-    target of a failover chain may answer; validation errors (other 4xx) end the chain.
-    """
-
-    failover: bool = False
-    provider: str = ""
-
 
 # What credentials look like in an upstream's error text: bearer tokens, sk-/dk- style keys, key=value pairs.
 _CREDENTIALS = re.compile(
@@ -108,12 +244,14 @@ def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
     return _CREDENTIALS.sub(lambda m: (m.group(1) or m.group(2) or "") + REDACTED, text)
 
 
-def upstream_error(provider: str, status: int, message: str, headers: dict[str, str] | None = None,
-                   code: str | None = None, secrets: tuple[str, ...] = ()) -> UpstreamError:
-    """An upstream's error as clients and logs may see it: scrubbed of credentials, cut to 512 characters."""
+def provider_error(provider: str, status: int, message: str, headers: dict[str, str] | None = None,
+                   code: str | None = None, secrets: tuple[str, ...] = ()) -> ProviderError:
+    """A provider's error as clients and logs may see it: scrubbed of credentials, cut to 512 characters; a
+    ``ProviderTimeout`` for a 504."""
     message = scrub(message, secrets)
     message = message if len(message) <= UPSTREAM_MESSAGE_LIMIT else message[: UPSTREAM_MESSAGE_LIMIT - 1] + "…"
     failover = status in FAILOVER_STATUSES or status >= 500
     kind = "rate_limit_error" if status == 429 else "api_error" if status >= 500 else "invalid_request_error"
-    return UpstreamError(message, (), code=code or f"upstream_{status}", status=status, type=kind,
-                         headers=headers or {}, failover=failover, provider=provider)
+    cls = ProviderTimeout if status == 504 else ProviderError
+    return cls(message, code=code or f"upstream_{status}", status=status, type=kind, headers=headers or {},
+               failover=failover, provider=provider)

@@ -37,36 +37,6 @@ from .errors import DecisionError
 if TYPE_CHECKING:
     from .engine.local import LocalEngine
 
-__all__ = [
-    "ALL_MODES",
-    "BINS",
-    "FIT",
-    "INTERVAL_METRICS",
-    "KINDS",
-    "LabeledItem",
-    "MODES",
-    "REFERENCE",
-    "assess",
-    "best_mode",
-    "bin_of",
-    "bootstrap",
-    "calibrate",
-    "collect",
-    "cross_fitted",
-    "evaluate",
-    "fit_profile",
-    "gold_index",
-    "in_order",
-    "load",
-    "metrics",
-    "mode_name",
-    "parse_mode",
-    "plot",
-    "predicted",
-    "probabilities",
-    "reliability",
-    "table",
-]
 
 MODES = {"raw": ("given", "none"), "cyclic": ("cyclic", "none"), "contextual": ("given", "contextual"),
          "both": ("cyclic", "contextual")}  # base mode -> (order, calibrate)

@@ -38,7 +38,6 @@ import inspect
 import threading
 import time
 import types
-import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -46,34 +45,15 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_or
 import httpx
 
 from . import probability
-from .errors import DecisionError
+from .errors import DecisionError, InvalidRequest
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from .engine.local import LocalEngine
-    from .gateway.pipeline import Caller
     from .gateway.router import Router
     from .gateway.service import Gateway
 
-__all__ = [
-    "Answer",
-    "Choice",
-    "ChoiceAnswer",
-    "Client",
-    "Decision",
-    "DecisionError",
-    "Engine",
-    "Predicate",
-    "PredicateAnswer",
-    "QuestionLike",
-    "Refusal",
-    "Score",
-    "ScoreAnswer",
-    "Usage",
-    "load",
-    "questions_from",
-]
 
 M = TypeVar("M", bound="BaseModel")
 T = TypeVar("T")
@@ -421,13 +401,13 @@ class _Decider:
                         input_, asked = request.pop("input", None), request.pop("questions")
                         return index, await self.adecide(input_, asked, **{**options, **request})
                     if fixed is None:
-                        raise DecisionError("no questions: give them with the item or for every item",
+                        raise InvalidRequest("no questions: give them with the item or for every item",
                                             ("questions",), code="missing_required_parameter")
                     return index, await self.adecide(item, fixed, **options)
                 except DecisionError as error:
                     return index, error
                 except (TypeError, ValueError, KeyError) as error:
-                    return index, DecisionError(f"{type(error).__name__}: {error}")
+                    return index, InvalidRequest(f"{type(error).__name__}: {error}")
 
         tasks = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(items)]
         try:
@@ -494,7 +474,7 @@ class Engine(_Decider):
         return self._loop.run(coroutine)
 
     async def _call(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await run_openai(self.gateway, body)
+        return await self.gateway.answer_openai(body)
 
     def models(self) -> list[str]:
         """The names this engine answers to (``default`` too)."""
@@ -508,22 +488,6 @@ class Engine(_Decider):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def run_openai(gateway: Gateway, body: Any, caller: Caller | None = None,
-                     request_id: str | None = None) -> dict[str, Any]:
-    """Answer an OpenAI-shaped decision body through ``gateway``'s pipeline; the response body, or a raised
-    ``DecisionError``. What the library, the MCP server and the batch runner share with ``/v1/decisions``."""
-    from .canonical import DecisionResult
-    from .dialects import openai as dialect
-    from .gateway.pipeline import Caller, Context
-
-    request = dialect.parse_request(body)
-    context = Context(request_id or "lib_" + uuid.uuid4().hex, "decide", dialect.DIALECT_NAME,
-                      caller or Caller(), strict_model=True)
-    result = await gateway.pipeline.run(context, request)
-    assert isinstance(result, DecisionResult)
-    return dialect.render_response(result, request)
 
 
 def load(model: str = "default", *, dtype: str = "float32", device: str = "auto", served_name: str | None = None,

@@ -8,41 +8,6 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-__all__ = [
-    "BODY_READ_TIMEOUT_S",
-    "CACHE_MAX_BYTES",
-    "CACHE_TTL_S",
-    "CHAT_RELAY_CHUNKS",
-    "CHAT_USAGE_SCAN_BYTES",
-    "DEFAULT_MAX_BATCH_TOKENS",
-    "DEFAULT_MAX_BODY_BYTES",
-    "MAX_DOCUMENT_DEPTH",
-    "JSON",
-    "LOCAL",
-    "OPENAI",
-    "SCORE_MAX_ITEMS",
-    "SGLANG",
-    "SYSTEM_ONE",
-    "USAGE_BATCH",
-    "USAGE_FLUSH_TIMEOUT_S",
-    "USAGE_PURGE_INTERVAL_S",
-    "USAGE_QUEUE_MAX",
-    "USAGE_RETRY_MAX_S",
-    "BUDGET_CACHE_S",
-    "BUDGET_DB_TIMEOUT_S",
-    "AUDIT_PAGE_MAX",
-    "DEFAULT_MAX_QUEUED_TOKENS",
-    "DEFAULT_MAX_REQUEST_TOKENS",
-    "MAX_CLIENT_TIMEOUT_MS",
-    "REQUEST_TEMPLATE_BUDGET_S",
-    "REQUEST_TEMPLATE_MAX_CHARS",
-    "REQUEST_TEMPLATE_MAX_OUTPUT",
-    "REQUEST_TEMPLATE_MEMORY_BYTES",
-    "REQUEST_TEMPLATE_TIMEOUT_S",
-    "JsonLimits",
-    "WireLimits",
-]
-
 
 @dataclass(frozen=True)
 class WireLimits:

@@ -7,8 +7,6 @@ import logging
 import sys
 import time
 
-__all__ = ["JsonFormatter", "setup"]
-
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["argmax", "choice_confidence", "expected_level", "label_mass", "label_probabilities", "score_confidence"]
-
 
 def label_probabilities(logprobs: Sequence[float], temperature: float = 1.0) -> list[float]:
     if not logprobs:

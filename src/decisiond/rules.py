@@ -7,9 +7,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import DecisionError, Path, invalid, refused
-
-__all__ = ["check_model_name", "check_temperature", "check_unique"]
+from .errors import DecisionError, LimitExceeded, Path, invalid, refused
 
 
 def check_temperature(value: Any, path: Path = ("temperature",)) -> None:
@@ -41,4 +39,4 @@ def check_model_name(model: str | None, path: Path = ("model",)) -> None:
 
 
 def limit_exceeded(message: str, path: Path = ()) -> DecisionError:
-    return DecisionError(message, path, code="limit_exceeded")
+    return LimitExceeded(message, path)

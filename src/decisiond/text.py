@@ -6,20 +6,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .canonical import (
-    Image,
-    Item,
-    Json,
-    Message,
-    Part,
-    Question,
-    Text,
-    ToolCall,
-    ToolOutput,
-)
+from .canonical import Image, Item, Json, Message, Part, Question, Text, ToolCall, ToolOutput
 from .errors import refused
-
-__all__ = ["ImageText", "is_blank", "question_text", "render_input", "render_part", "render_text"]
 
 
 def render_text(value: Any) -> str:

@@ -26,7 +26,7 @@ from decisiond.engine.local import LocalEngine
 from decisiond.engine.scheduler import Scheduler, work_tokens
 from decisiond.errors import DecisionError
 from decisiond.gateway.router import Router
-from decisiond.server import create_app
+from decisiond.server.app import create_app
 
 LABELS = [[5, 6]]
 DOCUMENT = list(range(100, 500))  # a 400-token "document"

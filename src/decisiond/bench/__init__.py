@@ -1,3 +1,1 @@
 """``decisiond bench``: a reproducible decision workload measured side by side in one run."""
-
-__all__: list[str] = []

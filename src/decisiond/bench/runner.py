@@ -27,29 +27,6 @@ from ..probability import label_probabilities
 from ..text import render_input
 from . import workload
 
-__all__ = [
-    "AGAIN",
-    "CACHE_HIT",
-    "CACHE_MISS",
-    "FIRST",
-    "IN_PROCESS",
-    "LONG",
-    "MatmulRate",
-    "NAIVE",
-    "NO_STORE",
-    "Row",
-    "flop_work",
-    "markdown",
-    "naive_decide",
-    "peak_rss_mb",
-    "repeated",
-    "run",
-    "side_by_side",
-    "speedups",
-    "start_server",
-    "to_json",
-]
-
 
 @dataclass
 class Row:

@@ -8,22 +8,6 @@ from typing import Any
 
 from ..canonical import DecisionRequest, Level, Message, Option, Question, Text
 
-__all__ = [
-    "ASK_AGAIN",
-    "ASK_FIRST",
-    "EXTRA",
-    "FRUSTRATION",
-    "LONG_QUESTIONS",
-    "QUESTION_SETS",
-    "TEAM",
-    "URGENT",
-    "document",
-    "long_requests",
-    "openai_body",
-    "requests",
-    "ticket",
-]
-
 _OPENINGS = ["Hi team,", "Hello,", "Good morning,", "Hey there,", "Dear support,", "Hi,"]
 _PRODUCTS = ["the invoicing dashboard", "the mobile app", "the CSV export", "the Stripe integration",
              "the team calendar", "single sign-on", "the reporting API", "the billing page"]

@@ -1,1 +1,1 @@
-__all__: list[str] = []
+"""Wire formats: one pure translation module per dialect (``base.Dialect``), no model and no network."""

@@ -18,8 +18,6 @@ from typing import Any, Callable, Literal, Mapping, Protocol
 
 from ..errors import DecisionError
 
-__all__ = ["Dialect", "WireDialect"]
-
 
 class Dialect(Protocol):
     @property

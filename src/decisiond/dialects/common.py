@@ -7,22 +7,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import DecisionError, Path, invalid
+from ..errors import DecisionError, InvalidRequest, Path, ProviderError, invalid
 from ..limits import JSON, MAX_DOCUMENT_DEPTH
-
-__all__ = [
-    "Body",
-    "StrictModel",
-    "check_json_limits",
-    "fastapi_loc",
-    "from_validation",
-    "json_path",
-    "parse_json",
-    "validate_body",
-    "check_document",
-    "answer_number",
-    "malformed_answer",
-]
 
 
 class StrictModel(BaseModel):
@@ -35,13 +21,13 @@ def parse_json(raw: bytes) -> Any:
     """A request body as JSON, refused before any other work when it is not JSON, nests deeper than
     ``MAX_DOCUMENT_DEPTH`` levels, or holds text that is not valid Unicode (a lone surrogate escape)."""
     if not raw.strip():
-        raise DecisionError("The request body is empty; send a JSON object.", code="invalid_json", validation=True)
+        raise invalid("The request body is empty; send a JSON object.", code="invalid_json")
     try:
         document = json.loads(raw)
     except RecursionError:
         raise _too_deep(()) from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise DecisionError(f"The request body is not valid JSON: {e}", code="invalid_json", validation=True) from e
+        raise invalid(f"The request body is not valid JSON: {e}", code="invalid_json") from e
     check_document(document)
     return document
 
@@ -173,12 +159,12 @@ def from_validation(error: ValidationError, document: Any) -> DecisionError:
             details.append({"loc": loc, "msg": msg, "type": e["type"]})
         elif msg not in same["msg"]:  # the members of one union failing at one place
             same["msg"] += ", or " + msg[:1].lower() + msg[1:]
-    return DecisionError(reason, path, code=code, validation=True, details=details)
+    return InvalidRequest(reason, path, code=code, validation=True, details=details)
 
 
 def malformed_answer(message: str) -> DecisionError:
     """An upstream answer that does not answer the question asked: the provider's failure (502, failover)."""
-    return DecisionError(message, code="upstream_invalid_response", status=502, type="api_error")
+    return ProviderError(message, code="upstream_invalid_response")
 
 
 def answer_number(value: Any, what: str) -> float:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DecisionError
-
-__all__ = ["OPENAI_QUESTION", "OPENAI_TOP", "SGLANG_QUESTION", "decisions_dialect", "render_error"]
+from ..errors import DecisionError, InvalidRequest
 
 OPENAI_TOP = ("prompt_cache_key", "prompt_cache_options", "safety_identifier")
 OPENAI_QUESTION = ("instructions", "name", "choices")
@@ -37,7 +35,7 @@ def decisions_dialect(document: Any) -> str:
             elif q.get("type") == "yes_no":
                 sglang.append(f"questions[{i}].type 'yes_no'")
     if openai and sglang:
-        raise DecisionError(
+        raise InvalidRequest(
             f"This request mixes OpenAI's Decisions shape ({openai[0]}) with SGLang's /v1/decisions shape "
             f"({sglang[0]}); send one or the other.",
             code="mixed_dialects",

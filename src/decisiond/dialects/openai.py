@@ -41,22 +41,6 @@ from ..text import render_text
 from .base import WireDialect
 from .common import StrictModel, answer_number, malformed_answer, validate_body
 
-__all__ = [
-    "DIALECT",
-    "DIALECT_NAME",
-    "EXTENSION_FIELDS",
-    "DecisionBody",
-    "ItemShape",
-    "OpenAIWire",
-    "error_body",
-    "error_message",
-    "parse_request",
-    "parse_response",
-    "render_error",
-    "render_request",
-    "render_response",
-]
-
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -472,8 +456,8 @@ def _render_input(items: tuple[Item, ...], wire: OpenAIWire | None) -> Any:
     first = items[0] if len(items) == 1 else None
     if isinstance(first, Message) and first.role == "user" and _one_text(first) and (wire is None or wire.bare):
         text = first.parts[0]
-        assert isinstance(text, Text)
-        return text.text
+        if isinstance(text, Text):
+            return text.text
     out = []
     for item in items:
         if isinstance(item, Message):

@@ -19,8 +19,6 @@ from .base import WireDialect
 from .common import StrictModel, validate_body
 from .sglang import DEFAULT_MODEL, render_error
 
-__all__ = ["DIALECT", "ScoreBody", "parse_request", "render_response"]
-
 
 class ScoreBody(StrictModel):
     query: Union[str, list[int], None] = None
@@ -52,12 +50,12 @@ def parse_request(body: Any, files: Any = None) -> ScoreRequest:
     prompts: list[str | tuple[int, ...]] = []
     for i, item in enumerate(items):
         joined: str | tuple[int, ...]
-        if isinstance(query, str):
-            assert isinstance(item, str)
+        if isinstance(query, str) and isinstance(item, str):
             joined = (item + query) if parsed.item_first else (query + item)
-        else:
-            assert isinstance(item, list)
+        elif isinstance(query, list) and isinstance(item, list):
             joined = tuple(item + query) if parsed.item_first else tuple(query + item)
+        else:
+            raise invalid("query and items must both be text or both be token ids", "items", i)
         if not joined:
             raise invalid("the prompt (query and item together) is empty", "items", i)
         prompts.append(joined)

@@ -15,35 +15,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, Field
 
 from .. import probability
-from ..canonical import (
-    Answer,
-    DecisionRequest,
-    DecisionResult,
-    Json,
-    Level,
-    Message,
-    Option,
-    Part,
-    Question,
-    Text,
-)
-from ..errors import DecisionError, Path, openai_param
+from ..canonical import Answer, DecisionRequest, DecisionResult, Json, Level, Message, Option, Part, Question, Text
+from ..errors import DecisionError, Path, ProviderError, openai_param
 from ..limits import SGLANG
 from ..rules import check_model_name, check_temperature, check_unique
 from ..text import is_blank
 from .base import WireDialect
 from .common import StrictModel, validate_body
-
-__all__ = [
-    "DEFAULT_MODEL",
-    "DIALECT",
-    "SGLangBody",
-    "error_body",
-    "parse_request",
-    "render_error",
-    "render_response",
-    "where",
-]
 
 DecisionText = Union[str, dict[str, Any], list[Any]]
 
@@ -151,8 +129,7 @@ def _question(q: Any, i: int) -> Question:
 def render_response(result: DecisionResult, request: DecisionRequest) -> dict[str, Any]:
     refused_by = next((q for a, q in zip(result.answers, request.questions) if a.refusal), None)
     if refused_by is not None:  # SGLang's answers have no refusal: the question went unanswered upstream
-        raise DecisionError(f"the provider did not answer question {refused_by.name!r}", code="upstream_refusal",
-                            status=502, type="api_error")
+        raise ProviderError(f"the provider did not answer question {refused_by.name!r}", code="upstream_refusal")
     answers = {q.name: _render_answer(a, q) for a, q in zip(result.answers, request.questions)}
     tokens = int(result.usage.input_tokens)
     usage: dict[str, Any] = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}

@@ -39,20 +39,6 @@ from ..text import is_blank, render_input, render_part, render_text
 from .base import WireDialect
 from .common import StrictModel, answer_number, malformed_answer, validate_body
 
-__all__ = [
-    "DIALECT",
-    "IMAGE_TYPES",
-    "Outbound",
-    "SystemOneBody",
-    "image_bytes",
-    "models_body",
-    "parse_request",
-    "parse_response",
-    "render_error",
-    "render_request",
-    "render_response",
-]
-
 Content = Union[str, dict[str, Any], list[Any]]
 
 
@@ -287,7 +273,6 @@ DIALECT = WireDialect("system_one", parse_request, render_response, render_error
 def models_body(models: list[Any]) -> dict[str, Any]:
     return {"models": [{"name": m.name, "description": m.description, "release_date": m.release_date}
                        for m in models]}
-
 
 
 # ------------------------------------------------------------------- outbound (gateway → System One)

@@ -1,1 +1,1 @@
-__all__: list[str] = []
+"""The local engine: prompts, label checks, scheduling and calibration over a backend (``backends/``)."""

@@ -32,27 +32,6 @@ from numpy.typing import NDArray
 
 from .. import probability
 
-__all__ = [
-    "CALIBRATIONS",
-    "CONTENT_FREE",
-    "FOLDS",
-    "Fit",
-    "ORDERS",
-    "Profile",
-    "ProfileError",
-    "STRENGTHS",
-    "Sample",
-    "Selection",
-    "VariantEvidence",
-    "combine",
-    "fit",
-    "folds",
-    "logits",
-    "prior_logs",
-    "regularised_fit",
-    "shifts",
-]
-
 CONTENT_FREE = ("N/A", "", "[MASK]")
 ORDERS = ("given", "cyclic")
 CALIBRATIONS = ("none", "contextual")
@@ -69,7 +48,8 @@ class VariantEvidence:
 
 def prior_logs(variant: VariantEvidence) -> list[float]:
     """log of the mean (over content-free inputs) label probabilities at T = 1."""
-    assert variant.priors
+    if not variant.priors:
+        raise ValueError("contextual calibration needs the label log-probs of at least one content-free input")
     per_input = [probability.label_probabilities(lps) for lps in variant.priors]
     return [math.log(max(sum(p[j] for p in per_input) / len(per_input), 1e-300)) for j in range(len(variant.order))]
 

@@ -16,24 +16,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from .. import probability
-from ..canonical import (
-    Answer,
-    DecisionRequest,
-    DecisionResult,
-    Question,
-    ScoreRequest,
-    ScoreResult,
-    Usage,
-)
+from ..canonical import Answer, DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
 from ..errors import invalid, refused
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from ..rules import check_temperature
 from ..text import render_input
-from .backend import Backend, Scored
+from .backends.base import Backend, Scored
 from .backends.transformers import TransformersBackend
-from .caches import Lru
 from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
 from .model import LoadedModel
+from .prefix_cache import Lru
 from .prompt import (
     MAX_SINGLE_LETTER,
     PROMPT_FORMAT_VERSION,
@@ -46,8 +38,6 @@ from .prompt import (
 )
 from .sandbox import request_deadline
 from .scheduler import DEFAULT_MAX_WAIT_S, Scheduler, Ticket
-
-__all__ = ["LocalEngine", "Prepared", "PreparedQuestion", "Variant", "build_answer", "cached_tokens", "reorder"]
 
 T = TypeVar("T")
 

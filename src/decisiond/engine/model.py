@@ -19,21 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "DEFAULT_DISTRIBUTION",
-    "DEFAULT_MODEL",
-    "DEFAULT_SERVED_NAME",
-    "LoadedModel",
-    "ModelNotFound",
-    "cache_root",
-    "check_cpu_dtype",
-    "converted_gguf",
-    "default_gguf",
-    "load",
-    "pick_device",
-    "resolve",
-]
-
 log = logging.getLogger("decisiond.model")
 
 DEFAULT_MODEL = "default"

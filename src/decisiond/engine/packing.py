@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PackedRow", "common_prefix", "pack", "split_rows"]
-
 
 @dataclass
 class PackedRow:

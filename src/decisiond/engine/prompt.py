@@ -24,26 +24,8 @@ from ..canonical import Image, Option, Question
 from ..errors import DecisionError, invalid, refused
 from ..limits import REQUEST_TEMPLATE_MAX_CHARS
 from ..text import is_blank, question_text, render_text
-from .caches import Lru
+from .prefix_cache import Lru
 from .sandbox import run_isolated
-
-__all__ = [
-    "APPLY_PARAMETERS",
-    "ChatPrompter",
-    "EncodedPrompt",
-    "MAX_CHOICE_LABELS",
-    "MAX_SCORE_LEVELS",
-    "MAX_SINGLE_LETTER",
-    "PROMPT_FORMAT_VERSION",
-    "REASONING_MARKERS",
-    "TEMPLATE_KWARGS_ENTRIES",
-    "THINKING_TOGGLES",
-    "TWO_LETTER_LABELS",
-    "check_renderable",
-    "labels_for",
-    "render_question",
-    "text_only_check",
-]
 
 PROMPT_FORMAT_VERSION = 1
 
@@ -289,7 +271,8 @@ class ChatPrompter:
         return prompt
 
     def _check_reasoning(self, content: str, prompt: str, kwargs: dict[str, Any]) -> None:
-        assert self.markers is not None  # render() checks reasoning only for templates with markers
+        if self.markers is None:  # render() checks reasoning only for templates with markers
+            return
         start, end = self.markers
         closing = content.rsplit("\n", 1)[-1]
         cut = prompt.rfind(closing)

@@ -16,15 +16,13 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 
-from ..errors import DecisionError
+from ..errors import InvalidRequest, LimitExceeded, Unavailable, refused
 from ..limits import (
     REQUEST_TEMPLATE_BUDGET_S,
     REQUEST_TEMPLATE_MAX_OUTPUT,
     REQUEST_TEMPLATE_MEMORY_BYTES,
     REQUEST_TEMPLATE_TIMEOUT_S,
 )
-
-__all__ = ["isolated_available", "request_deadline", "run_isolated"]
 
 # The time left to the current request's template renders (all of them together), when one is set.
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("template_deadline", default=None)
@@ -52,13 +50,13 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
     ``timeout_s``, needs more than ``memory_bytes`` beyond what the server has mapped, or returns more than
     ``max_output`` bytes."""
     if not isolated_available():
-        raise DecisionError(f"{what} cannot be rendered safely on this platform", code="unsupported_value")
+        raise refused(f"{what} cannot be rendered safely on this platform")
     deadline = time.monotonic() + timeout_s
     shared = _DEADLINE.get()
     if shared is not None and shared < deadline:
         deadline = shared
     if deadline <= time.monotonic():
-        raise DecisionError(f"{what} took longer than the {REQUEST_TEMPLATE_BUDGET_S:g} s a request may spend "
+        raise LimitExceeded(f"{what} took longer than the {REQUEST_TEMPLATE_BUDGET_S:g} s a request may spend "
                             "rendering it", code="template_limit")
     read_fd, write_fd = os.pipe()
     try:
@@ -66,8 +64,8 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
     except OSError as error:  # no memory or no process slot for the child
         os.close(read_fd)
         os.close(write_fd)
-        raise DecisionError(f"{what} cannot be rendered now: {error.strerror}", code="server_overloaded",
-                            status=503, type="api_error") from None
+        raise Unavailable(f"{what} cannot be rendered now: {error.strerror}", code="server_overloaded",
+                          type="api_error") from None
     if pid == 0:  # the child: render, report, exit without running the parent's clean-up
         status = 0
         try:
@@ -95,7 +93,7 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DecisionError(f"{what} took longer than {timeout_s:g} s to render", code="template_limit")
+                raise LimitExceeded(f"{what} took longer than {timeout_s:g} s to render", code="template_limit")
             if not poller.poll(left * 1000):
                 continue
             data = os.read(read_fd, 1 << 16)
@@ -104,7 +102,7 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
             chunks.append(data)
             size += len(data)
             if size > max_output + 1:
-                raise DecisionError(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
+                raise LimitExceeded(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
     finally:
         os.close(read_fd)
         try:
@@ -116,13 +114,13 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
     if payload[:1] == b"k" and len(payload) - 1 <= max_output:
         return payload[1:].decode("utf-8", "surrogatepass")
     if payload[:1] == b"k":
-        raise DecisionError(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
+        raise LimitExceeded(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
     if payload[:1] == b"e":
         reason = payload[1:].decode("utf-8", "replace")
         if reason.startswith("MemoryError"):
             reason = f"it needed more than {memory_bytes // 2**20} MiB"
-        raise DecisionError(f"{what} failed: {reason}", code="chat_template_error")
-    raise DecisionError(f"{what} failed: its renderer stopped without an answer", code="chat_template_error")
+        raise InvalidRequest(f"{what} failed: {reason}", code="chat_template_error")
+    raise InvalidRequest(f"{what} failed: its renderer stopped without an answer", code="chat_template_error")
 
 
 def _max_fd() -> int:

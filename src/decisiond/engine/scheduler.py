@@ -45,12 +45,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DecisionError
+from ..errors import LimitExceeded, Unavailable
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
-from .backend import Backend, Group, Scored, Steps, check_finite, stepwise
-
-__all__ = ["ABANDON_GRACE_S", "CONTENDED_DIVISOR", "DEFAULT_MAX_WAIT_S", "MAX_LARGE_RUNS",
-           "MAX_RETRY_AFTER_MS", "MIN_STEP_TOKENS", "STARVE_S", "Job", "Scheduler", "Stats", "Ticket", "work_tokens"]
+from .backends.base import Backend, Group, Scored, Steps, check_finite, stepwise
 
 log = logging.getLogger("decisiond.scheduler")
 
@@ -176,7 +173,7 @@ class Scheduler:
         size = work_tokens(rows)
         if size > self.max_request_tokens:
             self.stats.refused += 1
-            raise DecisionError(
+            raise LimitExceeded(
                 f"this request needs {size:,} tokens of model work after prefix sharing, over this server's limit "
                 f"of {self.max_request_tokens:,} tokens a request (--max-request-tokens); send fewer questions or "
                 "a shorter input", code="request_too_large")
@@ -224,7 +221,7 @@ class Scheduler:
         wait_ms = int(min(MAX_RETRY_AFTER_MS, max(100, 1000 * short / max(self.rate, 1.0))))
         if held is None:
             self._reservation = (key, size, now + wait_ms / 1000 + RESERVATION_GRACE_S)
-        raise DecisionError(
+        raise Unavailable(
             f"the local model is busy: {self.queued_tokens:,} tokens of work are queued and this request adds "
             f"{size:,}, over this server's limit of {self.max_queued_tokens:,} (--max-queued-tokens); retry in "
             f"about {wait_ms / 1000:.1f} s", code="server_overloaded", status=503, type="api_error",

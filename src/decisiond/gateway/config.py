@@ -1,4 +1,5 @@
-"""The gateway's YAML config: providers, models and virtual models, with ``${ENV}`` interpolation.
+"""Loading the gateway's YAML config: read the file, replace ``${ENV}``, validate the models (``gateway.settings``),
+then check every provider entry against its registered type (``gateway.providers.REGISTRY``).
 
 ```yaml
 providers:
@@ -17,7 +18,8 @@ virtual_models:
 ```
 
 ``${VAR}`` and ``${VAR:-default}`` are replaced in every string; a missing variable without a default is an error
-that names it. Everything is validated at start-up, with messages that name the entry at fault.
+that names it. Everything is validated at start-up, with messages that name the entry at fault
+(``providers.0.type: …``).
 """
 
 from __future__ import annotations
@@ -25,357 +27,20 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import ValidationError
 
-from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
-from .guardrails import GuardrailConfig, unknown_guardrail
-from .pricing import Pricing, check_pricing
+from .pricing import check_pricing
+from .providers import provider_class
+from .settings import GatewayConfig
 
-__all__ = [
-    "AuditConfig",
-    "AuthConfig",
-    "BudgetConfig",
-    "CacheConfig",
-    "ConfigError",
-    "GatewayConfig",
-    "Limits",
-    "MAX_CHAIN_DEPTH",
-    "MAX_USER_PATH",
-    "ModelConfig",
-    "ProviderConfig",
-    "RateLimitConfig",
-    "StaticKeyConfig",
-    "TYPESAFE_HOSTED",
-    "USER_PATH",
-    "UserPathLimit",
-    "VirtualModelConfig",
-    "check_chains",
-    "check_user_path",
-    "interpolate",
-    "known_model",
-    "load",
-    "parse",
-]
-
-MAX_CHAIN_DEPTH = 8
-# Under the TypeSafe SDK's 10 s per call, so that its retry never races an attempt still running here.
-DEFAULT_DEADLINE = 9.5
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-TYPESAFE_HOSTED = "https://api.typesafe.ai"
 
 
 class ConfigError(ValueError):
-    pass
-
-
-class Limits(BaseModel):
-    """A provider's limits, checked after OpenAI's; None means no limit of its own."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_questions: int | None = None
-    max_choices: int | None = None
-    max_levels: int | None = None
-    max_tokens: int | None = None
-    max_question_tokens: int | None = None
-
-
-USER_PATH = re.compile(r"^/([A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*)?$")
-MAX_USER_PATH = 256
-
-
-def check_user_path(value: str) -> str:
-    """A user path: ``/`` or ``/team/alpha`` (segments of letters, digits and ``._~-``), at most 256 characters."""
-    if len(value) > MAX_USER_PATH or not USER_PATH.match(value):
-        raise ValueError(f"user path {value[:40]!r} must look like /team/alpha: segments of letters, digits and "
-                         f"'._~-' after '/', at most {MAX_USER_PATH} characters")
-    return value
-
-
-class RateLimitConfig(BaseModel):
-    """Limits on one scope (a key, a user-path subtree, a model or a provider); None means no limit."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    requests_per_second: int | None = Field(default=None, ge=1)
-    requests_per_minute: int | None = Field(default=None, ge=1)
-    requests_per_hour: int | None = Field(default=None, ge=1)
-    requests_per_day: int | None = Field(default=None, ge=1)
-    input_tokens_per_minute: int | None = Field(default=None, ge=1)
-    concurrent: int | None = Field(default=None, ge=1)
-    # Any other window: requests_per_window requests per window_seconds.
-    requests_per_window: int | None = Field(default=None, ge=1)
-    window_seconds: int = Field(default=60, ge=1, le=86400)
-
-    def empty(self) -> bool:
-        return all(v is None for k, v in self.model_dump().items() if k != "window_seconds")
-
-
-class ProviderConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    # A registered provider type (``gateway.providers.REGISTRY``): openai, azure, systemone, local.
-    type: str
-    base_url: str | None = None
-    api_key: str | None = None
-    api_version: str | None = None  # azure
-    model: str | None = None  # local: the model spec (default, a folder, a .gguf, a hub id)
-    served_model_name: str | None = None  # local: the name it answers to (default: from model)
-    dtype: str = "float32"  # local
-    order: Literal["given", "cyclic"] | None = None  # local: default option order (else the CLI's)
-    calibrate: Literal["none", "contextual"] | None = None  # local: default calibration (else the CLI's)
-    calibration: str | None = None  # local: a profile from `decisiond calibrate`
-    # Seconds one attempt may take (connect included); short enough by default that a hanging first target
-    # leaves a failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
-    timeout: float = Field(default=4.0, gt=0)
-    connect_timeout: float = Field(default=2.0, gt=0)
-    # Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``).
-    images: bool | None = None
-    limits: Limits | None = None
-    rate_limits: RateLimitConfig | None = None
-    # The default price of this provider's models (see gateway.pricing); a model's own price wins.
-    pricing: Pricing | None = None
-    headers: dict[str, str] = Field(default_factory=dict)
-    # Whether its answers are cached (see ``CacheConfig``); None: local providers yes, upstream providers no.
-    cache: bool | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from .providers import provider_class  # the registry imports this module
-
-        provider_class(value)
-        return value
-
-    @model_validator(mode="after")
-    def _fits_its_type(self) -> "ProviderConfig":
-        from .providers import provider_class  # the registry imports this module
-
-        kind = provider_class(self.type)
-        kind.check_config(self)
-        # A provider's per-request default prices only its decisions-only models (see Target.pricing).
-        check_pricing(f"provider {self.name!r}", self.pricing, reports_tokens=kind.reports_tokens)
-        return self
-
-
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    provider: str
-    upstream: str | None = None  # the provider's model name (Azure: the deployment); defaults to name
-    capabilities: list[str] = Field(default_factory=lambda: ["decisions"])
-    images: bool | None = None
-    description: str = ""
-    rate_limits: RateLimitConfig | None = None
-    guardrails: list[str] = Field(default_factory=list)
-    pricing: Pricing | None = None
-    # Whether its answers are cached; None leaves it to its provider.
-    cache: bool | None = None
-
-
-class VirtualModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    strategy: Literal["failover", "alias"] = "failover"
-    targets: list[str] = Field(min_length=1)
-    # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
-    deadline: float | None = Field(default=None, gt=0)
-    attempt_timeout: float | None = Field(default=None, gt=0)
-    guardrails: list[str] = Field(default_factory=list)
-    # Whether answers asked under this name are cached; None leaves it to the target that answers.
-    cache: bool | None = None
-
-    @model_validator(mode="after")
-    def _alias_has_one(self) -> "VirtualModelConfig":
-        if self.strategy == "alias" and len(self.targets) != 1:
-            raise ValueError(f"alias {self.name!r} must have exactly one target")
-        return self
-
-
-class StaticKeyConfig(BaseModel):
-    """A key listed in the YAML: its secret from the environment (``key: ${ENV}``) or its SHA-256
-    (``key_sha256: <hex>``), never stored in clear past start-up."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=200)
-    key: str | None = Field(default=None, min_length=16, repr=False)
-    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    user_path: str = "/"
-    models: list[str] | None = None
-    rate_limits: RateLimitConfig | None = None
-    guardrails: list[str] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _one_secret(self) -> "StaticKeyConfig":
-        if (self.key is None) == (self.key_sha256 is None):
-            raise ValueError(f"key {self.name!r} needs exactly one of key (e.g. ${{ENV}}) or key_sha256")
-        check_user_path(self.user_path)
-        return self
-
-
-class AuthConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # The master key; DECISIOND_MASTER_KEY is used when this is not set.
-    master_key: str | None = Field(default=None, min_length=16, repr=False)
-    keys: list[StaticKeyConfig] = Field(default_factory=list)
-
-
-class CacheConfig(BaseModel):
-    """The exact response cache (``gateway.cache``): in-process memory, plus Redis shared by replicas when
-    ``redis_url`` is set. Which models it applies to: ``cache`` on a virtual model, a model or a provider (any
-    ``false`` wins, then any ``true``), else local models only."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-    ttl: float = Field(default=CACHE_TTL_S, gt=0)
-    max_bytes: int = Field(default=CACHE_MAX_BYTES, ge=0)
-    # Entries shared by several replicas (redis://…); in-process memory only when unset.
-    redis_url: str | None = Field(default=None, repr=False)
-
-
-class UserPathLimit(RateLimitConfig):
-    """Limits shared by every caller whose user path is ``user_path`` or below it."""
-
-    user_path: str
-
-    @model_validator(mode="after")
-    def _path(self) -> "UserPathLimit":
-        check_user_path(self.user_path)
-        return self
-
-
-class BudgetConfig(BaseModel):
-    """A spending limit in USD on one scope — a key (its id: a managed key's ``key_...`` or ``static:<name>``), a
-    user-path subtree or a model — per UTC calendar hour/day/week/month or per ``period_seconds``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    key: str | None = Field(default=None, min_length=1, max_length=200)
-    user_path: str | None = None
-    model: str | None = Field(default=None, min_length=1, max_length=200)
-    limit_usd: NonNegativeFloat
-    period: Literal["hourly", "daily", "weekly", "monthly"] | None = None
-    period_seconds: int | None = Field(default=None, ge=1, le=366 * 86400)
-
-    @model_validator(mode="after")
-    def _one_scope(self) -> "BudgetConfig":
-        if sum(v is not None for v in (self.key, self.user_path, self.model)) != 1:
-            raise ValueError("a budget needs exactly one of key, user_path or model")
-        if (self.period is None) == (self.period_seconds is None):
-            raise ValueError("a budget needs exactly one of period (hourly, daily, weekly, monthly) or "
-                             "period_seconds")
-        if self.user_path is not None:
-            check_user_path(self.user_path)
-        return self
-
-
-class AuditConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # Keep request and response bodies with each usage row (secrets and redact_fields replaced).
-    log_bodies: bool = False
-    # Extra field names (at any depth) to redact from logged bodies, besides the built-in secret names.
-    redact_fields: list[str] = Field(default_factory=list)
-    # Usage and audit rows older than this are purged (hourly); None keeps them.
-    retention_days: int | None = Field(default=90, ge=1)
-
-
-class GatewayConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    auth: AuthConfig = Field(default_factory=AuthConfig)
-    # Where managed keys (and, later, usage and budgets) live: a SQLite file by default, PostgreSQL to share it.
-    database_url: str | None = None
-    # Shared rate-limit counters for several replicas; in-process memory when unset.
-    redis_url: str | None = None
-    rate_limits: list[UserPathLimit] = Field(default_factory=list)
-    cache: CacheConfig = Field(default_factory=CacheConfig)
-    # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
-    deadline: float = Field(default=DEFAULT_DEADLINE, gt=0)
-    guardrails: list[GuardrailConfig] = Field(default_factory=list)
-    providers: list[ProviderConfig] = Field(default_factory=list)
-    models: list[ModelConfig] = Field(default_factory=list)
-    virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
-    budgets: list[BudgetConfig] = Field(default_factory=list)
-    # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
-    # their usage rows wait in the writer's queue) or refused with 503 ("refuse").
-    budgets_when_database_down: Literal["admit", "refuse"] = "admit"
-    audit: AuditConfig = Field(default_factory=AuditConfig)
-    # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
-    # name); defaults to the first local provider's model.
-    default_model: str | None = None
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "GatewayConfig":
-        names = [p.name for p in self.providers]
-        if len(set(names)) != len(names):
-            raise ValueError("provider names must be unique")
-        providers = set(names)
-        kinds = {p.name: p.type for p in self.providers}
-        for m in self.models:
-            if m.provider not in providers:
-                raise ValueError(f"model {m.name!r} names unknown provider {m.provider!r}")
-            from .providers import provider_class  # the registry imports this module
-
-            check_pricing(f"model {m.name!r}", m.pricing, m.capabilities,
-                          provider_class(kinds[m.provider]).reports_tokens)
-        model_names = [m.name for m in self.models] + [v.name for v in self.virtual_models]
-        if len(set(model_names)) != len(model_names):
-            raise ValueError("model and virtual model names must be unique")
-        check_chains(self)
-        defined = {g.name for g in self.guardrails}
-        if len(defined) != len(self.guardrails):
-            raise ValueError("guardrail names must be unique")
-        for owner, names in [*((f"model {m.name!r}", m.guardrails) for m in self.models),
-                             *((f"virtual model {v.name!r}", v.guardrails) for v in self.virtual_models),
-                             *((f"key {k.name!r}", k.guardrails) for k in self.auth.keys)]:
-            unknown = unknown_guardrail(names, defined)
-            if unknown is not None:
-                raise ValueError(f"{owner} names unknown guardrail {unknown!r}")
-        return self
-
-
-def known_model(config: GatewayConfig, name: str) -> bool:
-    if any(m.name == name for m in config.models) or any(v.name == name for v in config.virtual_models):
-        return True
-    provider, _, upstream = name.partition("/")
-    return bool(upstream) and any(p.name == provider for p in config.providers)
-
-
-def check_chains(config: GatewayConfig) -> None:
-    """Virtual models must name known models, form no cycle, and nest at most ``MAX_CHAIN_DEPTH`` deep."""
-    virtual = {v.name: v for v in config.virtual_models}
-
-    def depth(name: str, path: tuple[str, ...]) -> int:
-        if name in path:
-            raise ValueError(f"virtual models form a cycle: {' -> '.join(path + (name,))}")
-        if name not in virtual:
-            if not known_model(config, name):
-                raise ValueError(f"virtual model {path[-1]!r} names unknown model {name!r}")
-            return 0
-        return 1 + max(depth(t, path + (name,)) for t in virtual[name].targets)
-
-    for name in virtual:
-        if depth(name, ()) > MAX_CHAIN_DEPTH:
-            raise ValueError(f"virtual model {name!r} nests more than {MAX_CHAIN_DEPTH} levels deep")
+    """A config that cannot be used, with one line naming the entry at fault."""
 
 
 def interpolate(value: Any, where: str = "") -> Any:
@@ -396,19 +61,44 @@ def interpolate(value: Any, where: str = "") -> Any:
     return value
 
 
+def check_types(config: GatewayConfig) -> None:
+    """Each provider entry against its registered type (its own fields, its default price), and each model's price
+    against what its provider reports. Raises ConfigError naming the entry."""
+    kinds = {}
+    for i, p in enumerate(config.providers):
+        try:
+            kind = provider_class(p.type)
+        except ValueError as e:
+            raise ConfigError(f"providers.{i}.type: {e}") from None
+        kinds[p.name] = kind
+        try:
+            kind.check_config(p)
+            # A provider's per-request default prices only its decisions-only models (see Target.price).
+            check_pricing(f"provider {p.name!r}", p.pricing, reports_tokens=kind.reports_tokens)
+        except ValueError as e:
+            raise ConfigError(f"providers.{i}: {e}") from None
+    for i, m in enumerate(config.models):
+        try:
+            check_pricing(f"model {m.name!r}", m.pricing, m.capabilities, kinds[m.provider].reports_tokens)
+        except ValueError as e:
+            raise ConfigError(f"models.{i}: {e}") from None
+
+
 def parse(data: Any) -> GatewayConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("the config must be a YAML mapping with providers, models and virtual_models")
     try:
-        return GatewayConfig.model_validate(interpolate(data))
+        config = GatewayConfig.model_validate(interpolate(data))
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
             for err in e.errors()
         )
         raise ConfigError(problems) from None
+    check_types(config)
+    return config
 
 
 def load(path: str | Path) -> GatewayConfig:

@@ -3,7 +3,7 @@ ordered chain of small stages between parsing and rendering.
 
     request limits → resolve model → allowlist → cache → rate limits → budgets → guardrails → route (failover)
 
-Chat traffic (``/v1/chat/completions``, ``/v1/responses``: operation ``chat``, a ``passthrough.ChatRequest``) runs
+Chat traffic (``/v1/chat/completions``, ``/v1/responses``: operation ``chat``, a ``gateway.chat.ChatRequest``) runs
 through the same chain: request limits and the cache leave it alone, the other stages apply as to decisions, and
 the route forwards it; the chain returns once the answer has passed to the client, so the stages settle with the
 upstream's real usage.
@@ -24,79 +24,16 @@ rest of the chain (reserve before, settle after). A new stage is one module plus
             return await call_next(context, request)
 
 The caller (key id, user path, allowed models, limits) is established before the body is read, by
-``gateway.auth``: an unauthenticated client never makes the server read, decompress or parse its body.
+``gateway.stages.auth``: an unauthenticated client never makes the server read, decompress or parse its body.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
+from typing import Any
 
-from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-
-if TYPE_CHECKING:
-    from .passthrough import ChatRequest, ChatResult
-
-__all__ = ["Caller", "Context", "Next", "Pipeline", "Stage"]
-
-Operation = Literal["decide", "score", "chat"]
-Request = Union[DecisionRequest, ScoreRequest, "ChatRequest"]
-Result = Union[DecisionResult, ScoreResult, "ChatResult"]
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who is asking: the master key, a managed or static key, or anyone (no keys configured)."""
-
-    key_id: str | None = None
-    name: str = "anonymous"
-    user_path: str = "/"
-    # Model patterns the key may use (names, ``provider/*``, virtual models); None means every model.
-    models: tuple[str, ...] | None = None
-    # The key's own rate limits (a RateLimitConfig), if any.
-    rate_limits: Any = None
-    master: bool = False
-    # Guardrails attached to the key (names from the config), run on top of the model's.
-    guardrails: tuple[str, ...] = ()
-
-
-@dataclass
-class Context:
-    """What the stages know of one request besides the canonical request itself."""
-
-    request_id: str
-    operation: Operation
-    dialect: str
-    caller: Caller = field(default_factory=Caller)
-    # Unknown model names: refused (OpenAI) or answered by the default model (System One, SGLang).
-    strict_model: bool = True
-    requested_model: str | None = None
-    resolved_model: str | None = None
-    started: float = field(default_factory=time.perf_counter)
-    # Stage name → seconds spent in it and everything after it.
-    timings: dict[str, float] = field(default_factory=dict)
-    # Stage name → what it decided ("ok", "refused: rate_limit_exceeded", …), for the access log and audit.
-    outcomes: dict[str, str] = field(default_factory=dict)
-    # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
-    response_headers: dict[str, str] = field(default_factory=dict)
-    # For the usage record: the targets the router tried (in order, failed attempts included), the one that
-    # answered (provider, name), the request's cost in USD once known, and whether the cache answered.
-    targets_tried: list[str] = field(default_factory=list)
-    answered_by: tuple[str, str] | None = None
-    cost: float | None = None
-    cache_hit: bool = False
-    # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
-    request_headers: Mapping[str, str] = field(default_factory=dict)
-
-
-Next = Callable[[Context, Any], Awaitable[Any]]
-
-
-class Stage(Protocol):
-    name: str
-
-    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any: ...
+from ..errors import ServerError
+from .types import Context, Next, Request, Result, Stage
 
 
 class Pipeline:
@@ -128,7 +65,7 @@ class _Terminal:
 
 
 async def _unreachable(context: Context, request: Any) -> Any:
-    raise AssertionError("the terminal stage has no next stage")
+    raise ServerError("the pipeline's terminal stage called a next stage, and there is none")
 
 
 def _link(stage: Stage, call_next: Next) -> Next:

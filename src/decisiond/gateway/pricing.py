@@ -22,8 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..canonical import Usage
 
-__all__ = ["LongContext", "Pricing", "check_pricing", "cost", "estimate"]
-
 MTOK = 1_000_000
 
 

@@ -22,22 +22,21 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Callable, Coroutine
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-from ..errors import DecisionError, UpstreamError, upstream_error
-from . import limits
-from .answers import check_result
-from .config import DEFAULT_DEADLINE, ConfigError, GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from ..errors import DecisionError, InvalidRequest, NotFound, ProviderError, provider_error
+from .config import ConfigError
 from .pricing import Pricing
 from .providers import build
 from .providers.base import Provider
-
-__all__ = ["DEFAULT_ALIAS", "Gate", "ModelInfo", "Observer", "Router", "Target"]
+from .result_check import check_result
+from .settings import DEFAULT_DEADLINE, GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from .sizes import check_provider
 
 log = logging.getLogger("decisiond.gateway")
 
 DEFAULT_ALIAS = "default"
 
 # Admission for one attempt on a target (its model and provider rate limits): an async context manager that
-# raises a failover-able UpstreamError when the target is at its limit, and yields something with
+# raises a failover-able ProviderError when the target is at its limit, and yields something with
 # ``settle(input_tokens)`` or None.
 Gate = Callable[["Target"], AsyncContextManager[Any]]
 
@@ -52,7 +51,7 @@ class Observer:
     def attempt(self, target: "Target") -> float:
         return 0.0
 
-    def attempt_done(self, target: "Target", started: float, error: UpstreamError | None = None) -> None:
+    def attempt_done(self, target: "Target", started: float, error: ProviderError | None = None) -> None:
         return None
 
 
@@ -94,10 +93,10 @@ class Target:
 
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         if "decisions" not in self.capabilities:
-            return DecisionError(f"model {self.name!r} has no Decisions API; only decision models can answer "
+            return InvalidRequest(f"model {self.name!r} has no Decisions API; only decision models can answer "
                                  "decision requests", ("model",), code="model_not_supported")
         if self.images is False and request.images():
-            return DecisionError(f"model {self.name!r} reads text only, so the request's images cannot be sent to it",
+            return InvalidRequest(f"model {self.name!r} reads text only, so the request's images cannot be sent to it",
                                  request.images()[0].source, code="unsupported_input")
         if "engine_options" not in self.provider.capabilities:
             extension = next((name for name, value in (
@@ -106,7 +105,7 @@ class Target:
                 ("chat_template_kwargs", request.chat_template_kwargs or None), ("order", request.order),
                 ("calibrate", request.calibrate)) if value is not None), None)
             if extension is not None:
-                return DecisionError(f"{extension} is applied by decisiond's local engine; model {self.name!r} "
+                return InvalidRequest(f"{extension} is applied by decisiond's local engine; model {self.name!r} "
                                      f"({self.provider.name}) cannot honour it", (extension,),
                                      code="unsupported_parameter")
         if self.images is None:
@@ -114,7 +113,7 @@ class Target:
             if reason is not None:
                 return reason
         try:
-            limits.check_provider(request, self.provider.limits, f"{self.name!r} ({self.provider.name})")
+            check_provider(request, self.provider.limits, f"{self.name!r} ({self.provider.name})")
         except DecisionError as error:
             return error
         return None
@@ -144,7 +143,8 @@ class Router:
         """No config: the local engine alone, under its served name and ``default``."""
         provider = build(ProviderConfig(name="local", type="local"), {"local": engine})
         own = provider.own_model
-        assert own is not None
+        if own is None:
+            raise TypeError("a local provider names the model it runs")
         target = Target(own, provider, own, description=provider.describe())
         return cls({"local": provider}, {own: target}, default_model=own)
 
@@ -204,8 +204,8 @@ class Router:
     def resolve_name(self, name: str | None, strict: bool) -> str:
         """The model name to route. Lenient dialects (System One, SGLang) send unknown names to the default."""
         if not self.serves_decisions:  # no provider answers decisions at all: the endpoint itself is not served
-            raise DecisionError("No decision model is configured here, so decision requests are not served.",
-                                ("model",), code="model_not_found", status=404, type="not_found_error")
+            raise NotFound("No decision model is configured here, so decision requests are not served.", ("model",),
+                           code="model_not_found")
         if name == DEFAULT_ALIAS and name not in self.models and name not in self.virtual and self.default_model:
             return self.default_model
         if name is not None and self.known(name):
@@ -213,7 +213,7 @@ class Router:
         if not strict and self.default_model:
             return self.default_model
         served = ", ".join(repr(m.name) for m in self.model_list(capability="decisions"))
-        raise DecisionError(f"The model {name!r} does not exist or is not served here; served models: {served}.",
+        raise InvalidRequest(f"The model {name!r} does not exist or is not served here; served models: {served}.",
                             ("model",), code="model_not_found")
 
     # -------------------------------------------------------------------------------- answering
@@ -222,7 +222,7 @@ class Router:
         """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for. OpenAI's limits
         were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here."""
         skipped: list[DecisionError] = []
-        failure: UpstreamError | None = None
+        failure: ProviderError | None = None
         virtual = self.virtual.get(name)
         budget = virtual.deadline if virtual is not None and virtual.deadline is not None else self.deadline
         ends = time.monotonic() + budget
@@ -236,7 +236,7 @@ class Router:
                 continue
             remaining = ends - time.monotonic()
             if remaining <= 0:
-                failure = upstream_error(target.provider.name, 504, f"no answer from {name!r} within its "
+                failure = provider_error(target.provider.name, 504, f"no answer from {name!r} within its "
                                          f"{budget:g} s deadline", code="deadline_exceeded")
                 break
             timeout = None if not target.provider.timed_by_router else min(remaining, (
@@ -250,7 +250,7 @@ class Router:
                         await admission.settle(result.usage.input_tokens)
                 check_result(request, result, target.provider.name)
                 self.observer.attempt_done(target, started)
-            except UpstreamError as error:
+            except ProviderError as error:
                 self.observer.attempt_done(target, started, error)
                 log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
                                                      "failover": error.failover, "reason": error.message})
@@ -262,7 +262,7 @@ class Router:
             return result
         if failure is not None:
             raise failure
-        raise skipped[0] if len(skipped) == 1 or name not in self.virtual else DecisionError(
+        raise skipped[0] if len(skipped) == 1 or name not in self.virtual else InvalidRequest(
             f"no target of {name!r} can answer this request: " + "; ".join(s.message for s in skipped),
             skipped[0].path, code=skipped[0].code)
 
@@ -271,13 +271,13 @@ class Router:
         is refused with a pointer to /v1/decisions (as a chat model is refused there)."""
         candidates = self.chain(name)
         if not candidates:
-            raise DecisionError(f"The model {name!r} does not exist or is not served here.", ("model",),
-                                code="model_not_found", status=404, type="not_found_error")
+            raise NotFound(f"The model {name!r} does not exist or is not served here.", ("model",),
+                           code="model_not_found")
         for target in candidates:
             configured = target.name in self.models
             if "chat" in target.provider.capabilities and (not configured or "chat" in target.capabilities):
                 return target
-        raise DecisionError(f"model {name!r} is a decision model: send its requests to /v1/decisions", ("model",),
+        raise InvalidRequest(f"model {name!r} is a decision model: send its requests to /v1/decisions", ("model",),
                             code="model_not_supported")
 
     def score_target(self, name: str | None) -> Target:
@@ -287,7 +287,7 @@ class Router:
         for target in self.chain(chosen):
             if "score" in target.provider.capabilities:
                 return target
-        raise DecisionError(f"model {chosen!r} is not a local model; /v1/score needs one", ("model",),
+        raise InvalidRequest(f"model {chosen!r} is not a local model; /v1/score needs one", ("model",),
                             code="model_not_supported")
 
     async def score(self, request: ScoreRequest, name: str | None = None, gate: Gate = _open_gate) -> ScoreResult:
@@ -326,7 +326,7 @@ async def _within(attempt: Coroutine[Any, Any, DecisionResult], seconds: float |
         return await asyncio.wait_for(attempt, seconds)
     except asyncio.TimeoutError:
         name = target.provider.name
-        raise upstream_error(name, 504, f"provider {name!r} timed out: no answer within {seconds:.3g} s",
+        raise provider_error(name, 504, f"provider {name!r} timed out: no answer within {seconds:.3g} s",
                              code="upstream_timeout") from None
 
 

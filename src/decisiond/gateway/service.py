@@ -8,30 +8,33 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
-from ..errors import DecisionError
-from ..store import Database, KeyStore
+from ..dialects import openai as openai_dialect
+from ..errors import DecisionError, ServerError
+from ..store.db import Database
+from ..store.keys import KeyStore
 from . import pricing
-from .allowlist import Allowlist
-from .auth import Authenticator
-from .budgets import BudgetStage, BudgetStore
-from .cache import CacheStage, ResponseCache
-from .config import GatewayConfig
-from .guardrails import GuardrailConfig, GuardrailSet, GuardrailStage, judge_question
-from .limits import RequestLimits
-from .passthrough import ChatRequest, ChatResult
-from .passthrough import forward as forward_chat
-from .pipeline import Context, Pipeline, Stage
-from .ratelimit import RateLimiter, RateLimitStage, estimated_tokens
-from .resolve import ResolveModel
+from .chat import ChatRequest, ChatResult
+from .forward import forward as forward_chat
+from .pipeline import Pipeline
 from .router import Gate, Router, Target
+from .settings import GatewayConfig, GuardrailConfig
+from .sizes import estimated_tokens
+from .stages.allowlist import Allowlist
+from .stages.auth import Authenticator
+from .stages.budget import BudgetStage, BudgetStore
+from .stages.cache import CacheStage, ResponseCache
+from .stages.guardrails import GuardrailSet, GuardrailStage, judge_question
+from .stages.ratelimit import RateLimiter, RateLimitStage
+from .stages.request_limits import RequestLimits
+from .stages.resolve import ResolveModel
+from .types import Caller, Context, Stage
 from .usage import UsageRecord, UsageWriter, redact
-
-__all__ = ["Gateway"]
 
 log = logging.getLogger("decisiond.gateway")
 
@@ -138,21 +141,32 @@ class Gateway:
             context.targets_tried.append(target.name)
             return self.limiter.gate(target.name, target.provider.name, tokens)
 
-        if context.operation == "chat":  # no failover: the chat target of the model, its own limits at its gate
-            assert isinstance(request, ChatRequest) and context.resolved_model is not None
+        if context.resolved_model is None:
+            raise ServerError("the pipeline reached the router without a resolved model")
+        if isinstance(request, ChatRequest):  # no failover: the chat target of the model, its own limits at its gate
             target = self.router.chat_target(context.resolved_model)
             chat: ChatResult = await forward_chat(request, target, gate(target))
             self._priced(context, tried, chat.usage, "chat")
             return chat
-        if context.operation == "score":
-            assert isinstance(request, ScoreRequest)
+        if isinstance(request, ScoreRequest):
             score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
             self._priced(context, tried, Usage(input_tokens=score.prompt_tokens), "local")
             return score
-        assert isinstance(request, DecisionRequest) and context.resolved_model is not None
         result: DecisionResult = await self.router.decide(request, context.resolved_model, gate)
         self._priced(context, tried, result.usage, result.provider_format)
         return result
+
+    async def answer_openai(self, body: Any, caller: Caller | None = None,
+                            request_id: str | None = None) -> dict[str, Any]:
+        """Answer an OpenAI-shaped decision body through the pipeline, as ``POST /v1/decisions`` would: the response
+        body, or a raised ``DecisionError``. What the library, the MCP tools and ``decisiond decide`` share."""
+        request = openai_dialect.parse_request(body)
+        context = Context(request_id or "lib_" + uuid.uuid4().hex, "decide", openai_dialect.DIALECT_NAME,
+                          caller or Caller(), strict_model=True)
+        result = await self.pipeline.run(context, request)
+        if not isinstance(result, DecisionResult):
+            raise ServerError(f"the pipeline answered a decision with a {type(result).__name__}")
+        return openai_dialect.render_response(result, request)
 
     @staticmethod
     def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:

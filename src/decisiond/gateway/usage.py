@@ -23,18 +23,9 @@ from typing import Any, Iterable
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..limits import (
-    USAGE_BATCH,
-    USAGE_FLUSH_TIMEOUT_S,
-    USAGE_PURGE_INTERVAL_S,
-    USAGE_QUEUE_MAX,
-    USAGE_RETRY_MAX_S,
-)
-from ..store import Database
+from ..limits import USAGE_BATCH, USAGE_FLUSH_TIMEOUT_S, USAGE_PURGE_INTERVAL_S, USAGE_QUEUE_MAX, USAGE_RETRY_MAX_S
+from ..store.db import Database
 from ..store.tables import UsageRow
-
-__all__ = ["GROUPS", "REQUEST_TYPES", "SECRET_FIELDS", "UsageFilter", "UsageRecord", "UsageWriter", "audit",
-           "daily", "key_spend", "redact", "summary"]
 
 log = logging.getLogger("decisiond.usage")
 

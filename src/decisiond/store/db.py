@@ -20,8 +20,6 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-__all__ = ["Database", "database_url", "default_database_path"]
-
 MIGRATIONS = Path(__file__).with_name("migrations")
 _DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 

@@ -15,8 +15,6 @@ from sqlalchemy import select
 from .db import Database
 from .tables import ApiKey
 
-__all__ = ["KEY_PREFIX", "KeyRecord", "KeyStore", "hash_secret", "split_key"]
-
 KEY_PREFIX = "dk-"
 
 

@@ -8,8 +8,6 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKey", "Base", "Budget", "BudgetWindow", "UsageRow"]
-
 # An auto-increment 64-bit id (SQLite only auto-increments an INTEGER primary key).
 BigId = BigInteger().with_variant(Integer, "sqlite")
 

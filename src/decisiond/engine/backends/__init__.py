@@ -1,3 +1,1 @@
-"""Backends: what computes label log-probs (see ``engine.backend``)."""
-
-__all__: list[str] = []
+"""Backends: what computes label log-probs (the protocol in ``backends.base``; ``transformers`` the one shipped)."""

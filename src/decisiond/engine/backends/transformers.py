@@ -31,11 +31,9 @@ from typing import Any
 import torch
 
 from ...limits import DEFAULT_MAX_BATCH_TOKENS
-from ..backend import Group, Scored, Steps, run_steps
-from ..caches import PrefixCache, default_prefix_cache_bytes
 from ..packing import PackedRow, common_prefix, pack, split_rows
-
-__all__ = ["ROW_TOKENS", "Stats", "TransformersBackend"]
+from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
+from .base import Group, Scored, Steps, run_steps
 
 # Rows of question tails are packed to at most this many tokens, so that passes can be cut small (``step_budget``)
 # when other requests are waiting; uncontended, several rows still share one pass of ``max_batch_tokens``.
@@ -172,7 +170,8 @@ class TransformersBackend:
             self.stats.prefill_tokens += end - begin
             yield end - begin
             begin = end
-        assert past is not None
+        if past is None:
+            raise ValueError(f"prefill of {len(tokens)} tokens from {begin} computed no KV cache")
         self.prefixes.put(tokens, past, _nbytes(past))
         return past
 
@@ -252,8 +251,9 @@ class TransformersBackend:
         """Each row's past, padded at its end to ``past_len`` (the mask hides the padding)."""
         if len(batch) == 1:
             return _truncate(batch[0].past, past_len)
-        template = next(w.past for w in batch if w.past_len and w.past is not None)
-        assert template is not None
+        template = next((w.past for w in batch if w.past_len and w.past is not None), None)
+        if template is None:
+            raise ValueError("a batch with a past length has no row holding a past")
         out = []
         for layer, (k0, v0) in enumerate(template):
             keys = k0.new_zeros(len(batch), k0.shape[1], past_len, k0.shape[3])
@@ -293,7 +293,8 @@ class TransformersBackend:
 
 
 def _truncate(kv: KV | None, length: int) -> KV:
-    assert kv is not None
+    if kv is None:
+        raise ValueError(f"a row with a past of {length} tokens holds no KV cache")
     return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
 
 

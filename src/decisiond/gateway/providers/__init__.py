@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ProviderConfig
+from ..settings import ProviderConfig
 from .azure import AzureProvider
-from .base import DecisionProvider, HttpProvider, Provider
+from .base import Provider
 from .local import LocalProvider
 from .openai import OpenAIProvider
 from .systemone import SystemOneProvider
-
-__all__ = ["REGISTRY", "DecisionProvider", "HttpProvider", "Provider", "build", "provider_class"]
 
 REGISTRY: dict[str, type[Provider]] = {
     "openai": OpenAIProvider,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from ..config import ProviderConfig
+from ..settings import ProviderConfig
 from .openai import OpenAIProvider
-
-__all__ = ["AzureProvider"]
 
 
 class AzureProvider(OpenAIProvider):

@@ -9,10 +9,8 @@ from typing import Any, Callable, ClassVar, Protocol
 import httpx
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-from ...errors import DecisionError, upstream_error
-from ..config import Limits, ProviderConfig
-
-__all__ = ["DecisionProvider", "HttpProvider", "Provider", "error_message"]
+from ...errors import DecisionError, InvalidRequest, provider_error
+from ..settings import Limits, ProviderConfig
 
 
 class DecisionProvider(Protocol):
@@ -136,7 +134,7 @@ class Provider:
         """Why this provider cannot take ``request`` at all (it is then skipped without an attempt), or None."""
         images = request.images()
         if images and not self.reads_images:
-            return DecisionError(f"provider {self.name!r} reads text only, so the request's images cannot be sent "
+            return InvalidRequest(f"provider {self.name!r} reads text only, so the request's images cannot be sent "
                                  "to it", images[0].source, code="unsupported_input")
         return None
 
@@ -191,24 +189,24 @@ class HttpProvider(Provider):
         return tuple(v for v in (self.config.api_key, *self.config.headers.values()) if v)
 
     async def post(self, url: str, headers: dict[str, str], **kwargs: Any) -> Any:
-        """POST and return the JSON body; an unavailable provider or an error status becomes an UpstreamError."""
+        """POST and return the JSON body; an unavailable provider or an error status becomes an ProviderError."""
         try:
             response = await self.client.post(url, headers={**self.config.headers, **headers}, **kwargs)
         except httpx.TimeoutException as e:
-            raise upstream_error(self.name, 504, f"provider {self.name!r} timed out: {type(e).__name__}",
+            raise provider_error(self.name, 504, f"provider {self.name!r} timed out: {type(e).__name__}",
                                  code="upstream_timeout") from e
         except httpx.HTTPError as e:
-            raise upstream_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}: {e}",
+            raise provider_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}: {e}",
                                  secrets=self.secrets,
                                  code="upstream_unavailable") from e
         if response.status_code >= 400:
             kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
-            raise upstream_error(self.name, response.status_code, error_message(response.text), kept,
+            raise provider_error(self.name, response.status_code, error_message(response.text), kept,
                                  secrets=self.secrets)
         try:
             return response.json()
         except ValueError as e:
-            raise upstream_error(self.name, 502, f"provider {self.name!r} answered with a body that is not JSON",
+            raise provider_error(self.name, 502, f"provider {self.name!r} answered with a body that is not JSON",
                                  code="upstream_invalid_response") from e
 
     def translate(self, parse: Callable[..., DecisionResult], *args: Any) -> DecisionResult:
@@ -218,10 +216,10 @@ class HttpProvider(Provider):
         except DecisionError as e:
             if e.status < 500:
                 raise
-            raise upstream_error(self.name, 502, f"provider {self.name!r}: {e.message}",
+            raise provider_error(self.name, 502, f"provider {self.name!r}: {e.message}",
                                  code="upstream_invalid_response") from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            raise upstream_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",
+            raise provider_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",
                                  code="upstream_invalid_response") from e
 
     async def aclose(self) -> None:

@@ -7,14 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ...engine.prompt import PROMPT_FORMAT_VERSION
-from ..config import ProviderConfig
-from ..limits import LOCAL
+from ..settings import ProviderConfig
+from ..sizes import LOCAL
 from .base import Provider
 
 if TYPE_CHECKING:  # the engine (torch, transformers) is imported by whoever builds one, not by the gateway
     from ...engine.local import LocalEngine
-
-__all__ = ["LocalProvider"]
 
 
 class LocalProvider(Provider):
@@ -44,7 +42,7 @@ class LocalProvider(Provider):
         return self.engine.release_date
 
     def cache_identity(self) -> dict[str, Any]:
-        from ..cache import request_tree  # the cache stage imports the router, which imports the providers
+        from ..fingerprint import request_tree
 
         engine = self.engine
         profile = engine.profile

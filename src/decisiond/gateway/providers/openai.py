@@ -8,11 +8,9 @@ import httpx
 
 from ...canonical import DecisionRequest, DecisionResult
 from ...dialects import openai as wire
-from ...errors import upstream_error
-from ..config import ProviderConfig
+from ...errors import provider_error
+from ..settings import ProviderConfig
 from .base import HttpProvider
-
-__all__ = ["OpenAIProvider"]
 
 
 class OpenAIProvider(HttpProvider):
@@ -36,10 +34,10 @@ class OpenAIProvider(HttpProvider):
         try:
             return await self.client.send(request, stream=True)
         except httpx.TimeoutException as e:
-            raise upstream_error(self.name, 504, f"provider {self.name!r} timed out: {type(e).__name__}",
+            raise provider_error(self.name, 504, f"provider {self.name!r} timed out: {type(e).__name__}",
                                  code="upstream_timeout") from e
         except httpx.HTTPError as e:
-            raise upstream_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}",
+            raise provider_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}",
                                  code="upstream_unavailable") from e
 
     def auth(self) -> dict[str, str]:

@@ -9,11 +9,9 @@ import json
 from ...canonical import DecisionRequest, DecisionResult
 from ...dialects import systemone as wire
 from ...errors import DecisionError
-from ..config import TYPESAFE_HOSTED, ProviderConfig
-from ..limits import SYSTEM_ONE
+from ..settings import TYPESAFE_HOSTED, ProviderConfig
+from ..sizes import SYSTEM_ONE
 from .base import HttpProvider
-
-__all__ = ["SystemOneProvider"]
 
 
 class SystemOneProvider(HttpProvider):

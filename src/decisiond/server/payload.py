@@ -13,11 +13,9 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from .dialects.common import parse_json
-from .errors import DecisionError
-from .limits import BODY_READ_TIMEOUT_S
-
-__all__ = ["MAX_PARTS", "Payload", "UploadedFile", "decompress", "read_body", "read_payload", "too_large"]
+from ..dialects.common import parse_json
+from ..errors import DecisionError, InvalidRequest, LimitExceeded, invalid
+from ..limits import BODY_READ_TIMEOUT_S
 
 MAX_PARTS = 1000
 
@@ -37,7 +35,7 @@ class Payload:
 
 
 def too_large(limit: int) -> DecisionError:
-    return DecisionError(f"The request body is larger than the {limit} byte limit.", code="request_too_large",
+    return LimitExceeded(f"The request body is larger than the {limit} byte limit.", code="request_too_large",
                          status=413)
 
 
@@ -60,8 +58,8 @@ async def read_body(request: Request, limit: int, timeout: float = BODY_READ_TIM
     try:
         return await asyncio.wait_for(receive(), timeout)
     except asyncio.TimeoutError:
-        raise DecisionError(f"The request body was not received within {timeout:g} s.", code="request_timeout",
-                            status=408) from None
+        raise InvalidRequest(f"The request body was not received within {timeout:g} s.", code="request_timeout",
+                             status=408) from None
 
 
 def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
@@ -86,16 +84,15 @@ def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
             out = decoder.decompress(raw, limit + 1)
             truncated = len(out) <= limit and not decoder.eof
         else:
-            raise DecisionError(f"Content-Encoding {encoding!r} is not supported; send zstd, gzip, deflate or none.",
-                                code="unsupported_encoding", status=415)
+            raise InvalidRequest(f"Content-Encoding {encoding!r} is not supported; send zstd, gzip, deflate or none.",
+                                 code="unsupported_encoding", status=415)
     except (zstandard.ZstdError, zlib.error) as e:
-        raise DecisionError(f"The request body is not valid {encoding} data: {e}", code="invalid_encoding",
-                            validation=True) from e
+        raise invalid(f"The request body is not valid {encoding} data: {e}", code="invalid_encoding") from e
     if len(out) > limit:
         raise too_large(limit)
     if truncated:
-        raise DecisionError(f"The request body is not valid {encoding} data: the compressed stream ends early.",
-                            code="invalid_encoding", validation=True)
+        raise invalid(f"The request body is not valid {encoding} data: the compressed stream ends early.",
+                      code="invalid_encoding")
     return out
 
 
@@ -107,8 +104,7 @@ async def _multipart(data: bytes, content_type: str) -> tuple[Any, dict[str, Upl
         form = await MultiPartParser(Headers({"content-type": content_type}), stream(),
                                      max_files=MAX_PARTS, max_fields=MAX_PARTS).parse()
     except MultiPartException as e:
-        raise DecisionError(f"The multipart body could not be parsed: {e.message}", code="invalid_multipart",
-                            validation=True) from e
+        raise invalid(f"The multipart body could not be parsed: {e.message}", code="invalid_multipart") from e
     files: dict[str, UploadedFile] = {}
     document: Any = None
     for name, value in form.multi_items():
@@ -121,8 +117,8 @@ async def _multipart(data: bytes, content_type: str) -> tuple[Any, dict[str, Upl
         elif name == "request":
             document = parse_json(value.encode())
     if document is None:
-        raise DecisionError("The multipart body has no 'request' part holding the JSON request.",
-                            ("request",), code="missing_required_parameter", validation=True)
+        raise invalid("The multipart body has no 'request' part holding the JSON request.", "request",
+                      code="missing_required_parameter")
     return document, files
 
 

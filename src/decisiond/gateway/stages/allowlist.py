@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .auth import forbidden
-from .pipeline import Caller, Context, Next
-from .router import Router
-
-__all__ = ["Allowlist", "allowed"]
+from ...errors import PermissionDenied
+from ..router import Router
+from ..types import Caller, Context, Next
 
 
 def allowed(router: Router, caller: Caller, name: str) -> bool:
@@ -45,5 +43,5 @@ class Allowlist:
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         name = context.resolved_model or ""
         if not allowed(self.router, context.caller, name):
-            raise forbidden(f"this API key may not use model {name!r}", "model", code="model_not_allowed")
+            raise PermissionDenied(f"this API key may not use model {name!r}", ("model",), code="model_not_allowed")
         return await call_next(context, request)

@@ -29,19 +29,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import AwareDatetime, Field, field_validator, model_validator
 
-from .dialects import openai as openai_dialect
-from .dialects.common import StrictModel, validate_body
-from .errors import DecisionError
-from .gateway import usage
-from .gateway.auth import Authenticator
-from .gateway.config import BudgetConfig, RateLimitConfig, check_user_path
-from .gateway.pipeline import Caller
-from .gateway.service import Gateway
-from .limits import AUDIT_PAGE_MAX
-from .store.keys import KeyStore
-from .transport import read_payload
-
-__all__ = ["KeyCreate", "router", "self_service"]
+from ..dialects import openai as openai_dialect
+from ..dialects.common import StrictModel, validate_body
+from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
+from ..gateway import usage
+from ..gateway.service import Gateway
+from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
+from ..gateway.stages.auth import Authenticator
+from ..gateway.stages.budget import BudgetStore
+from ..gateway.types import Caller
+from ..limits import AUDIT_PAGE_MAX
+from ..store.db import Database
+from ..store.keys import KeyStore
+from .payload import read_payload
 
 router = APIRouter(prefix="/admin")
 self_service = APIRouter()
@@ -89,8 +89,7 @@ async def _store(request: Request) -> KeyStore:
     caller = await gateway.auth.authenticate(request.headers)
     Authenticator.require_master(caller)
     if gateway.keys is None:
-        raise DecisionError("managed keys need a database; none is open", code="no_database", status=503,
-                            type="server_error")
+        raise Unavailable("managed keys need a database; none is open", code="no_database")
     return gateway.keys
 
 
@@ -131,7 +130,7 @@ async def revoke_key(request: Request, key_id: str) -> Any:
         store = await _store(request)
         record = await store.revoke(key_id)
         if record is None:
-            raise DecisionError(f"no API key with id {key_id[:40]!r}", ("id",), code="key_not_found", status=404)
+            raise NotFound(f"no API key with id {key_id[:40]!r}", ("id",), code="key_not_found")
     except DecisionError as error:
         return _error(error)
     gateway: Gateway = request.app.state.gateway
@@ -142,18 +141,19 @@ async def revoke_key(request: Request, key_id: str) -> Any:
 # ------------------------------------------------------------------------------------- usage, audit, budgets
 
 
-async def _master_db(request: Request) -> Gateway:
+async def _master_db(request: Request) -> tuple[Database, BudgetStore]:
+    """The database and its budgets, for the master key only."""
     gateway: Gateway = request.app.state.gateway
     caller = await gateway.auth.authenticate(request.headers)
     Authenticator.require_master(caller)
-    if gateway.db is None:
-        raise DecisionError("usage, audit and budgets need a database; none is open (set database_url or a master "
-                            "key)", code="no_database", status=503, type="server_error")
-    return gateway
+    if gateway.db is None or gateway.budgets is None:
+        raise Unavailable("usage, audit and budgets need a database; none is open (set database_url or a master "
+                          "key)", code="no_database")
+    return gateway.db, gateway.budgets
 
 
 def _bad(param: str, message: str) -> DecisionError:
-    return DecisionError(f"{param}: {message}", (param,), code="invalid_value")
+    return InvalidRequest(f"{param}: {message}", (param,))
 
 
 def _time(params: Any, name: str, end: bool = False) -> datetime | None:
@@ -202,12 +202,11 @@ def _group_by(params: Any) -> list[str]:
 async def _grouped(request: Request, query: Callable[..., Awaitable[Any]]) -> Any:
     """A usage report (``usage.summary`` or ``usage.daily``) grouped and filtered as the query string says."""
     try:
-        gateway = await _master_db(request)
+        db, budgets = await _master_db(request)
         groups, where = _group_by(request.query_params), _filter(request.query_params)
     except DecisionError as error:
         return _error(error)
-    assert gateway.db is not None
-    return {"object": "list", "group_by": groups, "data": await query(gateway.db, groups, where)}
+    return {"object": "list", "group_by": groups, "data": await query(db, groups, where)}
 
 
 @router.get("/usage/summary")
@@ -224,7 +223,7 @@ async def usage_daily(request: Request) -> Any:
 async def audit_log(request: Request) -> Any:
     params = request.query_params
     try:
-        gateway = await _master_db(request)
+        db, budgets = await _master_db(request)
         where = _filter(params)
         limit, before = params.get("limit", "100"), params.get("before_id")
         if not limit.isdigit() or not 1 <= int(limit) <= AUDIT_PAGE_MAX:
@@ -233,42 +232,38 @@ async def audit_log(request: Request) -> Any:
             raise _bad("before_id", "must be a row id from next_before_id")
     except DecisionError as error:
         return _error(error)
-    assert gateway.db is not None
-    rows, following = await usage.audit(gateway.db, where, int(limit), int(before) if before else None)
+    rows, following = await usage.audit(db, where, int(limit), int(before) if before else None)
     return {"object": "list", "data": rows, "next_before_id": following}
 
 
 @router.get("/budgets")
 async def list_budgets(request: Request) -> Any:
     try:
-        gateway = await _master_db(request)
+        db, budgets = await _master_db(request)
     except DecisionError as error:
         return _error(error)
-    assert gateway.budgets is not None
-    gateway.budgets._cache = None
-    return {"object": "list", "data": await gateway.budgets.spend(await gateway.budgets.budgets())}
+    budgets._cache = None
+    return {"object": "list", "data": await budgets.spend(await budgets.budgets())}
 
 
 @router.put("/budgets")
 async def put_budget(request: Request) -> Any:
     try:
-        gateway = await _master_db(request)
+        db, budgets = await _master_db(request)
         payload = await read_payload(request, ADMIN_BODY_LIMIT)
         body = validate_body(BudgetConfig, payload.document)
     except DecisionError as error:
         return _error(error)
-    assert gateway.budgets is not None
-    view = await gateway.budgets.put(body, "admin")
-    return (await gateway.budgets.spend([view]))[0]
+    view = await budgets.put(body, "admin")
+    return (await budgets.spend([view]))[0]
 
 
 @router.delete("/budgets/{budget_id}")
 async def delete_budget(request: Request, budget_id: str) -> Any:
     try:
-        gateway = await _master_db(request)
-        assert gateway.budgets is not None
-        if not await gateway.budgets.delete(budget_id):
-            raise DecisionError(f"no budget with id {budget_id[:40]!r}", ("id",), code="budget_not_found", status=404)
+        db, budgets = await _master_db(request)
+        if not await budgets.delete(budget_id):
+            raise NotFound(f"no budget with id {budget_id[:40]!r}", ("id",), code="budget_not_found")
     except DecisionError as error:
         return _error(error)
     return {"id": budget_id, "deleted": True}
@@ -284,16 +279,16 @@ async def own_usage(request: Request) -> Any:
         return _error(error)
     out: dict[str, Any] = {"object": "usage", "key": caller.key_id, "user_path": caller.user_path,
                            "rate_limits": await gateway.limiter.counters(caller)}
-    if gateway.db is None or gateway.budgets is None:
+    db, budgets = gateway.db, gateway.budgets
+    if db is None or budgets is None:
         out.update(spend=None, budgets=[])
         return out
     try:
-        out["spend"] = await usage.key_spend(gateway.db, caller.key_id, caller.user_path)
-        mine = [b for b in await gateway.budgets.budgets() if b.model is None and b.applies(caller, ())]
-        out["budgets"] = await gateway.budgets.spend(mine)
+        out["spend"] = await usage.key_spend(db, caller.key_id, caller.user_path)
+        mine = [b for b in await budgets.budgets() if b.model is None and b.applies(caller, ())]
+        out["budgets"] = await budgets.spend(mine)
     except Exception:
-        return _error(DecisionError("usage is unavailable: the database cannot be reached", code="no_database",
-                                    status=503, type="server_error"))
+        return _error(Unavailable("usage is unavailable: the database cannot be reached", code="no_database"))
     return out
 async def _master(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway

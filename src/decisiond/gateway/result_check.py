@@ -8,9 +8,7 @@ from __future__ import annotations
 import math
 
 from ..canonical import DecisionRequest, DecisionResult
-from ..errors import UpstreamError, upstream_error
-
-__all__ = ["SUM_TOLERANCE", "check_result"]
+from ..errors import ProviderError, provider_error
 
 SUM_TOLERANCE = 1e-3
 
@@ -39,6 +37,6 @@ def check_result(request: DecisionRequest, result: DecisionResult, provider: str
     """Raise a failover-able 502 naming what is wrong with ``result``."""
     problem = _problem(request, result)
     if problem is not None:
-        error: UpstreamError = upstream_error(provider, 502, f"provider {provider!r} answered wrongly: {problem}",
+        error: ProviderError = provider_error(provider, 502, f"provider {provider!r} answered wrongly: {problem}",
                                               code="upstream_invalid_response")
         raise error

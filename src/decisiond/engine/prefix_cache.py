@@ -18,8 +18,6 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-__all__ = ["Lru", "PrefixCache", "default_prefix_cache_bytes"]
-
 V = TypeVar("V")
 
 

@@ -22,92 +22,20 @@ import asyncio
 import ipaddress
 import logging
 import re
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from ..canonical import DecisionRequest, Json, Message, Part, Question, Text, ToolCall, ToolOutput
-from ..errors import DecisionError
-from .passthrough import ChatRequest
-from .pipeline import Context, Next
-
-__all__ = [
-    "GUARDRAIL_HEADER",
-    "GuardrailConfig",
-    "GuardrailSet",
-    "GuardrailStage",
-    "Outcome",
-    "apply_texts",
-    "decision_texts",
-    "unknown_guardrail",
-]
+from ...canonical import DecisionRequest, Json, Message, Part, Question, Text, ToolCall, ToolOutput
+from ...errors import GuardrailBlocked, InvalidRequest, ServerError
+from ..chat import ChatRequest
+from ..settings import GuardrailConfig, unknown_guardrail
+from ..types import Context, Next
 
 log = logging.getLogger("decisiond.guardrails")
 
 GUARDRAIL_HEADER = "x-decisiond-guardrail"
-Action = Literal["block", "warn", "redact"]
-Detector = Literal["email", "phone", "card", "iban", "ip"]
-DETECTOR_NAMES: tuple[Detector, ...] = ("email", "phone", "card", "iban", "ip")
 _RANK = {"allow": 0, "warn": 1, "redact": 2, "block": 3}
-
-
-class PatternConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    pattern: str = Field(min_length=1, max_length=1000)
-    action: Action | None = None  # else the guardrail's action
-    replacement: str = "[REDACTED]"
-
-
-class GuardrailConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    type: Literal["regex", "pii", "decision_judge"]
-    order: int = 0
-    action: Action = "block"
-    fail_mode: Literal["closed", "open"] = "closed"
-    timeout_ms: int = Field(default=5000, ge=1)
-    # regex
-    patterns: list[PatternConfig] = Field(default_factory=list)
-    # pii
-    detectors: list[Detector] = Field(default_factory=lambda: list(DETECTOR_NAMES))
-    # decision_judge
-    model: str | None = None
-    instructions: str | None = None
-    yes: str | None = None
-    no: str | None = None
-    threshold: float = Field(default=0.5, ge=0, le=1)
-    user_path: str = "/guardrails"
-
-    @model_validator(mode="after")
-    def _complete(self) -> "GuardrailConfig":
-        if self.type == "regex":
-            if not self.patterns:
-                raise ValueError(f"guardrail {self.name!r} (regex) needs patterns")
-            for p in self.patterns:
-                try:
-                    re.compile(p.pattern)
-                except re.error as e:
-                    raise ValueError(f"guardrail {self.name!r}: pattern {p.pattern!r} is not a regex: {e}") from None
-        if self.type == "decision_judge" and not (self.model and self.instructions):
-            raise ValueError(f"guardrail {self.name!r} (decision_judge) needs a model and instructions")
-        if self.type == "decision_judge" and self.action == "redact":
-            raise ValueError(f"guardrail {self.name!r}: a judge blocks or warns; it cannot redact")
-        from .config import check_user_path  # config imports this module
-
-        check_user_path(self.user_path)
-        return self
-
-
-def unknown_guardrail(names: Iterable[str], defined: Collection[str]) -> str | None:
-    """The first of ``names`` that is not a configured guardrail, else None: models, virtual models and keys (static
-    or managed) may only name configured guardrails."""
-    return next((n for n in names if n not in defined), None)
-
-
 # ------------------------------------------------------------------------------------------------ texts
 
 
@@ -314,9 +242,8 @@ class GuardrailSet:
         if missing is not None:
             log.error("a key names a guardrail that is not configured; its requests are refused",
                       extra={"guardrail": missing})
-            raise DecisionError(f"this API key is guarded by {missing!r}, which is not configured on this server; "
-                                "the request is refused rather than sent unguarded", code="guardrail_not_configured",
-                                status=500, type="server_error")
+            raise ServerError(f"this API key is guarded by {missing!r}, which is not configured on this server; "
+                              "the request is refused rather than sent unguarded", code="guardrail_not_configured")
         names = list(dict.fromkeys([*self.by_model.get(model or "", []), *key_guardrails]))
         return [self.guardrails[n] for n in names]
 
@@ -325,7 +252,7 @@ class GuardrailSet:
         missing = unknown_guardrail(names, self.guardrails)
         if missing is not None:
             configured = ", ".join(repr(n) for n in self.guardrails) or "none"
-            raise DecisionError(f"unknown guardrail {missing[:100]!r}; configured guardrails: {configured}",
+            raise InvalidRequest(f"unknown guardrail {missing[:100]!r}; configured guardrails: {configured}",
                                 (param, list(names).index(missing)), code="invalid_value")
 
     async def run(self, configs: list[GuardrailConfig], texts: Texts,
@@ -377,8 +304,7 @@ def verdict(outcomes: list[Outcome], headers: dict[str, str], context_outcomes: 
         headers[GUARDRAIL_HEADER] = "warn; " + "; ".join(f"name={n}" for n in warned)
     blocked = next((o for o in outcomes if o.action == "block"), None)
     if blocked is not None:
-        raise DecisionError(f"guardrail {blocked.name!r} blocked this request: {blocked.detail}",
-                            code="guardrail_blocked", status=400)
+        raise GuardrailBlocked(f"guardrail {blocked.name!r} blocked this request: {blocked.detail}")
 
 
 class GuardrailStage:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pipeline import Context, Next
-from .router import Router
-
-__all__ = ["ResolveModel"]
+from ..router import Router
+from ..types import Context, Next
 
 
 class ResolveModel:

@@ -15,14 +15,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from .dialects import openai as openai_dialect
-from .errors import ClientGone, DecisionError, invalid
-from .gateway.passthrough import ROUTES, ChatRequest, ChatResult, Relay, Slot
-from .gateway.pipeline import Context
-from .gateway.service import Gateway
-from .transport import read_payload
-
-__all__ = ["prompt_slots", "router"]
+from ..dialects import openai as openai_dialect
+from ..errors import ClientGone, DecisionError, ServerError, invalid
+from ..gateway.chat import ROUTES, ChatRequest, ChatResult, Relay, Slot
+from ..gateway.service import Gateway
+from ..gateway.types import Context
+from .payload import read_payload
 
 log = logging.getLogger("decisiond.chat")
 router = APIRouter()
@@ -62,7 +60,7 @@ def _error(error: DecisionError, *header_sets: dict[str, str]) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-INTERNAL_ERROR = DecisionError("Internal server error.", code="internal_error", status=500, type="server_error")
+INTERNAL_ERROR = ServerError("Internal server error.")
 
 
 def _parse(route: str, document: Any, relay: Relay) -> ChatRequest:
@@ -86,7 +84,8 @@ async def _run(gateway: Gateway, route: str, context: Context, document: Any, re
         request = _parse(route, document, relay)
         fields["model"] = request.model
         answered = await gateway.pipeline.run(context, request)
-        assert isinstance(answered, ChatResult)
+        if not isinstance(answered, ChatResult):
+            raise TypeError(f"the pipeline answered chat traffic with a {type(answered).__name__}")
         result = answered
         status, code, body = result.status, None, result.document
         return result

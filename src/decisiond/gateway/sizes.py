@@ -1,21 +1,19 @@
-"""Request limits: OpenAI's, checked for every request whatever answers it, then the target provider's stricter
-ones. A request over a limit is refused with 400 ``limit_exceeded`` naming the limit; it is never split."""
+"""How big a request is, and whether it fits: OpenAI's limits (checked for every request whatever answers it, by
+``stages.request_limits``), then the target provider's stricter ones (checked by the router for each target), and
+the input-token estimate the rate limits and budgets reserve before a call. A request over a limit is refused with
+400 ``limit_exceeded`` naming the limit; it is never split. The numbers live in ``decisiond.limits``."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from .. import limits as table
-from ..canonical import DecisionRequest, Image, Json, Message, ToolOutput
+from ..canonical import DecisionRequest, Image, Json, Message, ScoreRequest, ToolOutput
 from ..dialects.common import check_json_limits
 from ..rules import limit_exceeded
 from ..text import question_text, render_input
-from .config import Limits
-from .pipeline import Context, Next
-
-__all__ = ["CHARS_PER_TOKEN", "LOCAL", "SYSTEM_ONE", "RequestLimits", "check_openai", "check_provider",
-           "estimated_tokens"]
+from .chat import ChatRequest
+from .settings import Limits
 
 
 def _provider_limits(wire: table.WireLimits) -> Limits:
@@ -33,7 +31,8 @@ def check_openai(request: DecisionRequest) -> None:
     """OpenAI's upper limits on every request, whatever dialect it came in and whatever answers it: questions,
     choices, images (in the input and in question instructions), and the input_json limits."""
     openai = table.OPENAI
-    assert openai.max_questions is not None and openai.max_choices is not None and openai.max_images is not None
+    if openai.max_questions is None or openai.max_choices is None or openai.max_images is None:
+        raise TypeError("decisiond.limits.OPENAI must set max_questions, max_choices and max_images")
     if len(request.questions) > openai.max_questions:
         raise limit_exceeded(f"at most {openai.max_questions} questions per request (OpenAI's limit), got "
                              f"{len(request.questions)}", ("questions",))
@@ -51,18 +50,7 @@ def check_openai(request: DecisionRequest) -> None:
                 check_json_limits(part.data, part.source)
 
 
-class RequestLimits:
-    """Stage: OpenAI's limits, first in the chain, so that a request over them costs nothing downstream."""
-
-    name = "request_limits"
-
-    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
-        if context.operation == "decide":
-            check_openai(request)
-        return await call_next(context, request)
-
-
-def estimated_tokens(request: DecisionRequest) -> list[int]:
+def question_tokens(request: DecisionRequest) -> list[int]:
     """Tokens of each question's prompt (the input counted once per question), at 4 characters a token."""
     def placeholder(image: Image) -> str:
         return "<image>"
@@ -91,7 +79,7 @@ def check_provider(request: DecisionRequest, limits: Limits, provider: str) -> N
                                  f"{len(q.levels)}", q.levels[limits.max_levels].source)
     if limits.max_tokens is None and limits.max_question_tokens is None:
         return
-    counts = estimated_tokens(request)
+    counts = question_tokens(request)
     if limits.max_question_tokens is not None:
         for q, count in zip(request.questions, counts):
             if count > limits.max_question_tokens:
@@ -100,3 +88,12 @@ def check_provider(request: DecisionRequest, limits: Limits, provider: str) -> N
     if limits.max_tokens is not None and sum(counts) > limits.max_tokens:
         raise limit_exceeded(f"{provider} takes at most {limits.max_tokens} tokens per request (the input counts "
                              f"once per question); this one is about {sum(counts)}")
+
+
+def estimated_tokens(request: DecisionRequest | ScoreRequest | ChatRequest) -> int:
+    """A request's input tokens before the call, at 4 characters a token (chat: its prompt text)."""
+    if isinstance(request, ChatRequest):
+        return math.ceil(sum(len(t) for t in request.texts()) / CHARS_PER_TOKEN)
+    if isinstance(request, ScoreRequest):
+        return sum(len(p) if isinstance(p, tuple) else math.ceil(len(p) / CHARS_PER_TOKEN) for p in request.prompts)
+    return sum(question_tokens(request))

@@ -15,12 +15,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..errors import DecisionError
-from ..store.keys import KeyRecord, KeyStore
-from .config import RateLimitConfig, StaticKeyConfig, check_user_path
-from .pipeline import Caller
-
-__all__ = ["USER_PATH_HEADER", "Authenticator", "bearer", "in_subtree"]
+from ...errors import AuthenticationFailed, InvalidRequest, PermissionDenied
+from ...store.keys import KeyRecord, KeyStore
+from ..settings import RateLimitConfig, StaticKeyConfig, check_user_path
+from ..types import Caller
 
 USER_PATH_HEADER = "x-decisiond-user-path"
 # Verified managed keys are remembered this long (a revocation on another replica is seen within it).
@@ -46,15 +44,6 @@ def in_subtree(path: str, root: str) -> bool:
     return path == root or path.startswith(root + "/") or root == ""
 
 
-def unauthorized(message: str) -> DecisionError:
-    return DecisionError(message, code="invalid_api_key", status=401, type="authentication_error",
-                         headers={"www-authenticate": "Bearer"})
-
-
-def forbidden(message: str, *path: str, code: str) -> DecisionError:
-    return DecisionError(message, tuple(path), code=code, status=403, type="permission_error")
-
-
 class Authenticator:
     def __init__(self, master_key: str | None = None, static_keys: list[StaticKeyConfig] | None = None,
                  store: KeyStore | None = None):
@@ -78,7 +67,7 @@ class Authenticator:
         if not self.enabled:
             return Caller(master=False)
         if key is None:
-            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+            raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
         digest = _sha256(key)
         if self._master is not None and hmac.compare_digest(digest, self._master):
             return Caller(key_id=None, name="master", master=True)
@@ -89,12 +78,12 @@ class Authenticator:
                           rate_limits=static.rate_limits, guardrails=tuple(static.guardrails))
         record = await self._managed(key, digest)
         if record is None:
-            raise unauthorized("Invalid API key.")
+            raise AuthenticationFailed("Invalid API key.")
         status = record.status()
         if status == "revoked":
-            raise unauthorized(f"API key {record.id} has been revoked.")
+            raise AuthenticationFailed(f"API key {record.id} has been revoked.")
         if status == "expired":
-            raise unauthorized(f"API key {record.id} expired at {record.expires_at:%Y-%m-%dT%H:%M:%SZ}.")
+            raise AuthenticationFailed(f"API key {record.id} expired at {record.expires_at:%Y-%m-%dT%H:%M:%SZ}.")
         return Caller(key_id=record.id, name=record.name, user_path=record.user_path,
                       models=tuple(record.models) if record.models is not None else None,
                       rate_limits=RateLimitConfig.model_validate(record.rate_limits) if record.rate_limits else None,
@@ -125,13 +114,13 @@ class Authenticator:
         try:
             check_user_path(asked)
         except ValueError as e:
-            raise DecisionError(str(e), code="invalid_user_path", status=400) from None
+            raise InvalidRequest(str(e), code="invalid_user_path") from None
         if not (caller.master or caller.key_id is None) and not in_subtree(asked, caller.user_path):
-            raise forbidden(f"this key is bound to user path {caller.user_path!r} and may only name paths below it",
-                            code="user_path_not_allowed")
+            raise PermissionDenied(f"this key is bound to user path {caller.user_path!r} and may only name paths "
+                                   "below it", code="user_path_not_allowed")
         return replace(caller, user_path=asked)
 
     @staticmethod
     def require_master(caller: Caller) -> None:
         if not caller.master:
-            raise forbidden("This route needs the master key.", code="master_key_required")
+            raise PermissionDenied("This route needs the master key.", code="master_key_required")

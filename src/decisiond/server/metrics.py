@@ -22,10 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import UpstreamError
-from .gateway.router import Observer, Router, Target
-
-__all__ = ["CONTENT_TYPE", "EngineCollector", "Metrics", "MetricsMiddleware", "route_label"]
+from ..errors import ProviderError
+from ..gateway.router import Observer, Router, Target
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a tiny model answers in milliseconds, a CPU batch or an upstream in seconds.
@@ -138,7 +136,7 @@ class Metrics(Observer):
         self.attempts.labels(target.provider.name, target.name).inc()
         return time.perf_counter()
 
-    def attempt_done(self, target: Target, started: float, error: UpstreamError | None = None) -> None:
+    def attempt_done(self, target: Target, started: float, error: ProviderError | None = None) -> None:
         self.upstream_latency.labels(target.provider.name).observe(time.perf_counter() - started)
         if error is not None:
             self.upstream_errors.labels(target.provider.name, error.code).inc()

@@ -18,15 +18,13 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import __version__
-from .dialects import openai as openai_dialect
-from .errors import DecisionError, openai_param
-from .gateway.allowlist import allowed
-from .gateway.pipeline import Caller
-from .gateway.service import Gateway
-from .library import Decision, run_openai
-
-__all__ = ["INSTRUCTIONS", "KeyedEndpoint", "build", "http_endpoint"]
+from ..dialects import openai as openai_dialect
+from ..errors import DecisionError, openai_param
+from ..gateway.service import Gateway
+from ..gateway.stages.allowlist import allowed
+from ..gateway.types import Caller
+from ..library import Decision
+from ..version import __version__
 
 INSTRUCTIONS = (
     "decisiond answers typed questions about an input with a probability for every option. Call `decide` with "
@@ -66,7 +64,7 @@ def build(gateway: Gateway) -> MCPServer:
         body: dict[str, Any] = {"model": model, "input": input, "questions": questions}
         body.update({k: v for k, v in (("order", order), ("calibrate", calibrate)) if v is not None})
         try:
-            response = await run_openai(gateway, body, caller)
+            response = await gateway.answer_openai(body, caller)
         except DecisionError as error:
             param = openai_param(error.path)
             raise ToolError(f"{error.code} ({error.status}){f' at {param}' if param else ''}: "

@@ -13,7 +13,6 @@ limit is unavailable, and a failover chain routes around it as on a 429 from ups
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,15 +27,10 @@ from limits import (
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from ..canonical import DecisionRequest, ScoreRequest
-from ..errors import DecisionError, UpstreamError, upstream_error
-from . import limits as request_limits
-from .auth import in_subtree
-from .config import RateLimitConfig, UserPathLimit
-from .passthrough import ChatRequest
-from .pipeline import Caller, Context, Next
-
-__all__ = ["Admission", "RateLimitStage", "RateLimiter", "Scope", "rate_limited"]
+from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error
+from ..settings import RateLimitConfig, UserPathLimit, in_subtree
+from ..sizes import estimated_tokens
+from ..types import Caller, Context, Next
 
 log = logging.getLogger("decisiond.ratelimit")
 
@@ -92,14 +86,6 @@ def _checks(scopes: list[Scope]) -> list[_Check]:
             out.append(_Check(scope, "input_tokens_per_minute",
                               RateLimitItemPerMinute(scope.config.input_tokens_per_minute)))
     return out
-
-
-def rate_limited(message: str, retry_after_s: float, headers: dict[str, str] | None = None) -> DecisionError:
-    """429 with the retry headers both SDKs honour (``retry-after-ms`` first, then ``Retry-After``)."""
-    retry_after_s = max(retry_after_s, 0.001)
-    return DecisionError(message, code="rate_limit_exceeded", status=429, type="rate_limit_error",
-                         headers={**(headers or {}), "retry-after": str(max(1, math.ceil(retry_after_s))),
-                                  "retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000)))})
 
 
 def _duration(seconds: float) -> str:
@@ -238,17 +224,16 @@ class RateLimiter:
         for check in admission.checks:
             cost = tokens if check.tokens else 1
             if check.tokens and cost > check.item.amount:
-                raise DecisionError(f"this request's estimated {cost} input tokens exceed the "
-                                    f"{check.item.amount} tokens per minute of {check.scope.describe()}",
-                                    code="limit_exceeded")
+                raise LimitExceeded(f"this request's estimated {cost} input tokens exceed the "
+                                    f"{check.item.amount} tokens per minute of {check.scope.describe()}")
             if not await self.window.test(check.item, *check.identifiers, cost=cost):
                 raise await self._refusal(check, admission)
         for scope in scopes:
             if scope.config.concurrent is not None:
                 if not await self.concurrency.acquire(scope, scope.config.concurrent):
                     await admission.release()
-                    raise rate_limited(f"{scope.describe()} already has {scope.config.concurrent} requests in "
-                                       "flight (its concurrent limit)", 1.0)
+                    raise RateLimited(f"{scope.describe()} already has {scope.config.concurrent} requests in "
+                                      "flight (its concurrent limit)", 1.0)
                 admission.slots.append(scope)
         for check in admission.checks:
             if not await self.window.hit(check.item, *check.identifiers, cost=tokens if check.tokens else 1):
@@ -257,13 +242,13 @@ class RateLimiter:
         admission.headers = await self._headers(admission)
         return admission
 
-    async def _refusal(self, check: _Check, admission: Admission) -> DecisionError:
+    async def _refusal(self, check: _Check, admission: Admission) -> RateLimited:
         stats = await self.window.get_window_stats(check.item, *check.identifiers)
         wait = max(0.0, stats.reset_time - time.time())
         unit = "input tokens" if check.tokens else "requests"
-        return rate_limited(f"{check.scope.describe()} is over its limit of {check.item.amount} {unit} per "
-                            f"{_per(check.item)}; retry in {_duration(wait)}", wait,
-                            await self._headers(admission))
+        return RateLimited(f"{check.scope.describe()} is over its limit of {check.item.amount} {unit} per "
+                           f"{_per(check.item)}; retry in {_duration(wait)}", wait,
+                           headers=await self._headers(admission))
 
     async def top_up(self, check: _Check, extra: int) -> None:
         stats = await self.window.get_window_stats(check.item, *check.identifiers)
@@ -324,9 +309,7 @@ class TargetGate:
     async def __aenter__(self) -> Admission:
         try:
             self.admission = await self.limiter.admit(self.scopes, self.tokens)
-        except DecisionError as error:
-            if error.status != 429:
-                raise
+        except RateLimited as error:
             raise _unavailable(error, self.provider) from None
         return self.admission
 
@@ -335,19 +318,9 @@ class TargetGate:
             await self.admission.release()
 
 
-def _unavailable(error: DecisionError, provider: str) -> UpstreamError:
+def _unavailable(error: RateLimited, provider: str) -> ProviderError:
     kept = {k: v for k, v in error.headers.items() if k in ("retry-after", "retry-after-ms")}
-    return upstream_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
-
-
-def estimated_tokens(request: DecisionRequest | ScoreRequest | ChatRequest) -> int:
-    """A request's input tokens before the call, at 4 characters a token (chat: its prompt text)."""
-    if isinstance(request, ChatRequest):
-        return math.ceil(sum(len(t) for t in request.texts()) / request_limits.CHARS_PER_TOKEN)
-    if isinstance(request, ScoreRequest):
-        return sum(len(p) if isinstance(p, tuple) else math.ceil(len(p) / request_limits.CHARS_PER_TOKEN)
-                   for p in request.prompts)
-    return sum(request_limits.estimated_tokens(request))
+    return provider_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
 
 
 class RateLimitStage:

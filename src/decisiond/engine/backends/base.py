@@ -40,9 +40,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..errors import DecisionError
-
-__all__ = ["Backend", "Group", "Scored", "SteppedBackend", "Steps", "check_finite", "run_steps", "stepwise"]
+from ...errors import Unavailable
 
 
 @dataclass
@@ -111,7 +109,7 @@ def check_finite(scored: Scored) -> None:
     plainly: they would otherwise become NaN probabilities or a label mass of 1."""
     for values in scored.logprobs:
         if not all(math.isfinite(v) for v in values):
-            raise DecisionError(
+            raise Unavailable(
                 "the model produced non-finite label log-probabilities (NaN or infinity) for this request, so it "
                 "cannot be answered; this usually means the model overflows in its dtype (try --dtype float32)",
-                code="model_output_invalid", status=503, type="api_error")
+                code="model_output_invalid", type="api_error")

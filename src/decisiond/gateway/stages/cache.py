@@ -28,14 +28,12 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ..canonical import Answer, DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
-from .config import CacheConfig
+from ...canonical import Answer, DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
+from ..fingerprint import request_tree
+from ..router import Router, Target
+from ..settings import CacheConfig
+from ..types import Context, Next
 from .guardrails import GuardrailSet
-from .pipeline import Context, Next
-from .router import Router, Target
-
-__all__ = ["CacheStage", "MemoryStore", "RedisStore", "ResponseCache", "cache_control", "decode", "encode",
-           "request_tree"]
 
 log = logging.getLogger("decisiond.cache")
 
@@ -46,26 +44,6 @@ REDIS_RETRY_S = 2.0
 
 
 # ------------------------------------------------------------------------------------------------ key
-
-
-def request_tree(value: Any, ordered: bool = True) -> Any:
-    """A JSON-able form of a canonical request: every dataclass field that takes part in equality (never ``wire``
-    nor ``source``), tagged with its type; bytes by their SHA-256; mappings as ``[key, value]`` pairs, in their
-    order unless the field is marked ``UNORDERED`` (options rather than text the model reads)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: request_tree(getattr(value, f.name), not f.metadata.get("unordered", False))
-                  for f in dataclasses.fields(value) if f.compare}
-        return [type(value).__name__, fields]
-    if isinstance(value, dict):
-        pairs = [[str(k), request_tree(v, ordered)] for k, v in value.items()]
-        return {"map": pairs if ordered else sorted(pairs, key=lambda p: p[0])}
-    if isinstance(value, (list, tuple)):
-        return [request_tree(v, ordered) for v in value]
-    if isinstance(value, bytes):
-        return {"sha256": hashlib.sha256(value).hexdigest()}
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    raise TypeError(f"cannot key a {type(value).__name__}")
 
 
 def _answerer(target: Target) -> dict[str, Any]:

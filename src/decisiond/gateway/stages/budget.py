@@ -33,18 +33,15 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from ..errors import DecisionError
-from ..limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
-from ..store import Database
-from ..store.tables import Budget, BudgetWindow
-from . import pricing
-from .auth import in_subtree
-from .config import BudgetConfig
-from .pipeline import Caller, Context, Next
-from .ratelimit import estimated_tokens
-from .router import Router
-
-__all__ = ["BudgetStage", "BudgetStore", "BudgetView", "NANO", "Reservation", "budget_id", "window"]
+from ...errors import BudgetExceeded, DecisionError, Unavailable
+from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
+from ...store.db import Database
+from ...store.tables import Budget, BudgetWindow
+from .. import pricing
+from ..router import Router
+from ..settings import BudgetConfig, in_subtree
+from ..sizes import estimated_tokens
+from ..types import Caller, Context, Next
 
 log = logging.getLogger("decisiond.budgets")
 
@@ -230,10 +227,9 @@ class BudgetStore:
 
 def budget_exceeded(b: BudgetView, spent: int, reserved: int, amount: int, resets_in: int) -> DecisionError:
     in_flight = f" (${reserved / NANO:.6f} more reserved by requests in flight)" if reserved else ""
-    return DecisionError(
+    return BudgetExceeded(
         f"The budget of {b.scope} is spent: ${spent / NANO:.6f} of its ${b.limit_nano / NANO:.6f} limit per "
         f"{b.per} used{in_flight}; this request would cost about ${amount / NANO:.6f}. It resets in {resets_in} s.",
-        code="budget_exceeded", status=402, type="insufficient_quota",
         headers={"retry-after": str(max(1, resets_in))})
 
 
@@ -271,9 +267,8 @@ class BudgetStage:
                         extra={"request_id": context.request_id, "error": f"{type(error).__name__}: {error}"[:300],
                                "when_down": self.when_down})
             if self.when_down == "refuse":
-                raise DecisionError("Budgets cannot be checked: the database is unavailable. Retry shortly.",
-                                    code="budget_unavailable", status=503, type="server_error",
-                                    headers={"retry-after": "5"}) from None
+                raise Unavailable("Budgets cannot be checked: the database is unavailable. Retry shortly.",
+                                  code="budget_unavailable", headers={"retry-after": "5"}) from None
             context.outcomes[self.name] = "unchecked: database unavailable"
             return await call_next(context, request)
         actual = 0

@@ -1,6 +1,6 @@
-"""Chat traffic through the pipeline: ``POST /v1/chat/completions`` and ``POST /v1/responses`` as the stages see
-them (``ChatRequest``), the pipeline's last step for them (``forward``: the body to an OpenAI-shaped provider, its
-answer back through a ``Relay``), and the usage read from that answer as it passes (``UsageMeter``).
+"""Chat traffic as the gateway sees it: ``POST /v1/chat/completions`` and ``POST /v1/responses`` as the stages see
+them (``ChatRequest``), the answer's way back to the client (``Relay``), and the usage read from that answer as it
+passes (``UsageMeter``). The pipeline's last step for them is ``gateway.forward``.
 
 The answer is never held back: each chunk goes to the client as it comes, and a copy of what is needed to read the
 usage is kept on the side — for a JSON answer the body (usage is at its end), for server-sent events only the
@@ -19,18 +19,10 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncContextManager
-
-import httpx
+from typing import Any
 
 from ..canonical import Usage
-from ..errors import upstream_error
 from ..limits import CHAT_RELAY_CHUNKS, CHAT_USAGE_SCAN_BYTES
-
-if TYPE_CHECKING:  # imported when used: the guardrails and the rate limits need this module's types first
-    from .router import Target
-
-__all__ = ["ROUTES", "ChatRequest", "ChatResult", "Relay", "Slot", "UsageMeter", "forward", "read_usage"]
 
 log = logging.getLogger("decisiond.chat")
 
@@ -201,56 +193,3 @@ class UsageMeter:
         model = data.get("model")
         if isinstance(model, str) and (usage is not None or self.model is None):
             self.model = model
-
-
-def _message(text: str) -> str:
-    from .providers.base import error_message
-
-    try:
-        json.loads(text)
-    except ValueError:
-        return text.strip()[:512] or "(no body)"
-    return error_message(text)
-
-
-async def forward(request: ChatRequest, target: Target, gate: AsyncContextManager[Any]) -> ChatResult:
-    """Send ``request`` to ``target`` (through the target's rate-limit ``gate``) and pass its answer to the
-    request's relay as it comes; return once the last chunk has passed. An upstream error before the answer
-    starts is raised (OpenAI-shaped for the route to render); one during it ends the stream and is raised too."""
-    from .providers.openai import OpenAIProvider
-
-    provider = target.provider
-    assert isinstance(provider, OpenAIProvider)
-    relay = request.relay
-    async with gate as admission:
-        upstream = await provider.forward(request.route, request.body, target.upstream)
-        try:
-            if upstream.status_code >= 400:
-                text = (await upstream.aread()).decode(errors="replace")
-                kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
-                raise upstream_error(provider.name, upstream.status_code, _message(text), kept,
-                                     secrets=provider.secrets)
-            content_type = upstream.headers.get("content-type", "application/json")
-            headers = {"content-type": content_type}
-            if "x-request-id" in upstream.headers:
-                headers["x-upstream-request-id"] = upstream.headers["x-request-id"]
-            meter = UsageMeter(content_type)
-            relay.start(upstream.status_code, headers, provider.name)
-            try:
-                # Decoded bytes: the client gets no content-encoding header, so it must get the plain answer.
-                async for chunk in upstream.aiter_bytes():
-                    meter.feed(chunk)
-                    await relay.send(chunk)
-            except httpx.HTTPError as error:
-                raise upstream_error(provider.name, 502, f"provider {provider.name!r} broke off its answer: "
-                                     f"{type(error).__name__}", code="upstream_unavailable") from error
-        finally:
-            relay.close()
-            await upstream.aclose()
-        meter.finish()
-        if meter.overflow:
-            log.warning("chat usage not read: the answer is too large to scan", extra={"route": request.route})
-        usage = meter.usage or Usage()
-        if admission is not None:
-            await admission.settle(usage.input_tokens)
-    return ChatResult(usage, meter.model, upstream.status_code, meter.usage is not None, meter.document)

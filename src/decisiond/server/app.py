@@ -21,24 +21,24 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import __version__, admin, chat, mcp_server
-from .canonical import DecisionResult, ScoreResult
-from .dialects import detect
-from .dialects import openai as openai_dialect
-from .dialects import score as score_dialect
-from .dialects import sglang as sglang_dialect
-from .dialects import systemone as systemone_dialect
-from .dialects.base import Dialect
-from .errors import ClientGone, DecisionError
-from .gateway.allowlist import allowed
-from .gateway.pipeline import Caller, Context
-from .gateway.router import Router
-from .gateway.service import Gateway
-from .limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_CLIENT_TIMEOUT_MS
+from ..canonical import DecisionResult, ScoreResult
+from ..dialects import detect
+from ..dialects import openai as openai_dialect
+from ..dialects import score as score_dialect
+from ..dialects import sglang as sglang_dialect
+from ..dialects import systemone as systemone_dialect
+from ..dialects.base import Dialect
+from ..errors import ClientGone, DecisionError, InvalidRequest, ServerError, Timeout
+from ..gateway.router import Router
+from ..gateway.service import Gateway
+from ..gateway.stages.allowlist import allowed
+from ..gateway.types import Caller, Context
+from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, MAX_CLIENT_TIMEOUT_MS
+from ..version import __version__
+from . import admin, chat
+from . import mcp as mcp_server
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
-from .transport import read_payload
-
-__all__ = ["ROUTES", "DecisionRoute", "RequestContext", "Settings", "create_app", "serve"]
+from .payload import read_payload
 
 log = logging.getLogger("decisiond.server")
 T = TypeVar("T")
@@ -99,7 +99,7 @@ ROUTES = (
                   (score_dialect.ScoreBody,), "SGLang's /v1/score"),
 )
 
-INTERNAL_ERROR = DecisionError("Internal server error.", code="internal_error", status=500, type="server_error")
+INTERNAL_ERROR = ServerError("Internal server error.")
 
 
 def new_request_id() -> str:
@@ -243,7 +243,7 @@ def client_timeout(request: Request) -> float | None:
     except ValueError:
         ms = 0
     if not 1 <= ms <= MAX_CLIENT_TIMEOUT_MS:
-        raise DecisionError(f"the {TIMEOUT_HEADER} header must be a whole number of milliseconds from 1 to "
+        raise InvalidRequest(f"the {TIMEOUT_HEADER} header must be a whole number of milliseconds from 1 to "
                             f"{MAX_CLIENT_TIMEOUT_MS}", (TIMEOUT_HEADER,), code="invalid_header")
     return ms / 1000
 
@@ -271,9 +271,8 @@ async def until_done(request: Request, work: Awaitable[T], timeout: float | None
             await asyncio.wait({task})
             if gone in done:
                 raise ClientGone()
-            raise DecisionError(f"the request was not answered within the {(timeout or 0) * 1000:.0f} ms its "
-                                f"{TIMEOUT_HEADER} header allows", code="deadline_exceeded", status=504,
-                                type="api_error")
+            raise Timeout(f"the request was not answered within the {(timeout or 0) * 1000:.0f} ms its "
+                          f"{TIMEOUT_HEADER} header allows")
     except asyncio.CancelledError:
         task.cancel()
         raise

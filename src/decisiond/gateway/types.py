@@ -1,0 +1,70 @@
+"""The gateway's shared types: who is asking (``Caller``), what the stages know of one request (``Context``), and
+the ``Stage`` protocol every pipeline stage follows. Pure: no I/O."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
+
+from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
+from .chat import ChatRequest, ChatResult
+from .settings import RateLimitConfig
+
+Operation = Literal["decide", "score", "chat"]
+Request = Union[DecisionRequest, ScoreRequest, ChatRequest]
+Result = Union[DecisionResult, ScoreResult, ChatResult]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the master key, a managed or static key, or anyone (no keys configured)."""
+
+    key_id: str | None = None
+    name: str = "anonymous"
+    user_path: str = "/"
+    # Model patterns the key may use (names, ``provider/*``, virtual models); None means every model.
+    models: tuple[str, ...] | None = None
+    # The key's own rate limits, if any.
+    rate_limits: RateLimitConfig | None = None
+    master: bool = False
+    # Guardrails attached to the key (names from the config), run on top of the model's.
+    guardrails: tuple[str, ...] = ()
+
+
+@dataclass
+class Context:
+    """What the stages know of one request besides the canonical request itself."""
+
+    request_id: str
+    operation: Operation
+    dialect: str
+    caller: Caller = field(default_factory=Caller)
+    # Unknown model names: refused (OpenAI) or answered by the default model (System One, SGLang).
+    strict_model: bool = True
+    requested_model: str | None = None
+    resolved_model: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    # Stage name → seconds spent in it and everything after it.
+    timings: dict[str, float] = field(default_factory=dict)
+    # Stage name → what it decided ("ok", "refused: rate_limit_exceeded", …), for the access log and audit.
+    outcomes: dict[str, str] = field(default_factory=dict)
+    # Headers every stage may add to the response (rate-limit counters, …), success or refusal.
+    response_headers: dict[str, str] = field(default_factory=dict)
+    # For the usage record: the targets the router tried (in order, failed attempts included), the one that
+    # answered (provider, name), the request's cost in USD once known, and whether the cache answered.
+    targets_tried: list[str] = field(default_factory=list)
+    answered_by: tuple[str, str] | None = None
+    cost: float | None = None
+    cache_hit: bool = False
+    # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
+    request_headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Next = Callable[[Context, Any], Awaitable[Any]]
+
+
+class Stage(Protocol):
+    name: str
+
+    async def __call__(self, context: Context, request: Any, call_next: Next) -> Any: ...
