@@ -96,3 +96,9 @@ CACHE_MAX_BYTES = 64 * 1024 * 1024
 # line, kept to read the usage from (a larger one passes through uncounted, logged).
 CHAT_RELAY_CHUNKS = 16
 CHAT_USAGE_SCAN_BYTES = 16 * 1024 * 1024
+# A decision_judge guardrail reads the request's texts joined into one document of at most this many characters; a
+# longer one is not judged in part: the guardrail fails, and its fail_mode decides (closed: blocked).
+GUARDRAIL_JUDGE_MAX_CHARS = 64 * 1024
+# A concurrency slot (rate_limits.concurrent) held in Redis expires this long after it was taken, so that a replica
+# that dies holding slots does not hold them for ever (config: concurrency_slot_ttl_s).
+CONCURRENCY_SLOT_TTL_S = 3600

@@ -11,8 +11,8 @@ later one (``tests/test_layers.py`` reads this list and checks it, and that no i
    — one module per provider type, registered in one table (``providers.REGISTRY``).
 3. config: config.py
    — loading the YAML, ``${ENV}``, and validating each provider entry against its registered type.
-4. router: router.py forward.py
-   — names to targets, skip rules, failover; chat traffic forwarded to its target.
+4. router: catalog.py router.py forward.py
+   — every spelling of a model to its one entry and policy; skip rules and failover; chat traffic forwarded.
 5. stages: stages/
    — one module per pipeline stage (request limits, resolve, allowlist, cache, rate limits, budget, guardrails),
    and the caller's authentication.

@@ -15,10 +15,10 @@ import httpx
 
 from ..canonical import Usage
 from ..errors import ServerError, provider_error
+from .catalog import Target
 from .chat import ChatRequest, ChatResult, UsageMeter
 from .providers.base import error_message
 from .providers.openai import OpenAIProvider
-from .router import Target
 
 log = logging.getLogger("decisiond.chat")
 

@@ -19,10 +19,11 @@ from ..errors import DecisionError, ServerError
 from ..store.db import Database
 from ..store.keys import KeyStore
 from . import pricing
+from .catalog import Target
 from .chat import ChatRequest, ChatResult
 from .forward import forward as forward_chat
 from .pipeline import Pipeline
-from .router import Gate, Router, Target
+from .router import Gate, Router
 from .settings import GatewayConfig, GuardrailConfig
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
@@ -54,7 +55,8 @@ class Gateway:
         self.limiter = RateLimiter(
             redis_url, config.rate_limits,
             models={m.name: m.rate_limits for m in config.models if m.rate_limits is not None},
-            providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
+            providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None},
+            slot_ttl_s=config.concurrency_slot_ttl_s)
         self.config = config
         self.db: Database | None = None
         self.keys: KeyStore | None = None
@@ -70,7 +72,7 @@ class Gateway:
         stages: list[Stage] = [
             RequestLimits(), ResolveModel(router), Allowlist(router), CacheStage(self.cache, router, self.guardrails),
             RateLimitStage(self.limiter), BudgetStage(lambda: self.budgets, router, config.budgets_when_database_down),
-            GuardrailStage(self.guardrails),
+            GuardrailStage(self.guardrails, router),
         ]
         self.pipeline = Pipeline(stages, self._route)
 
@@ -114,7 +116,7 @@ class Gateway:
         usage and cost go on a usage row of its own, under the guardrail's user path (not the caller's)."""
         request = DecisionRequest(input=(Message("user", (Text(text),)),), questions=(judge_question(guardrail),),
                                   model=guardrail.model)
-        name = self.router.resolve_name(guardrail.model, strict=True)
+        name = self.router.resolve_name(guardrail.model, strict=True, internal=True)
         tried: list[Target] = []
         started = time.perf_counter()
         result: DecisionResult | None = None

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
+from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S, CONCURRENCY_SLOT_TTL_S
 from .pricing import Pricing
 
 MAX_CHAIN_DEPTH = 8
@@ -316,6 +316,16 @@ class GatewayConfig(BaseModel):
     # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
     # name); defaults to the first local provider's model.
     default_model: str | None = None
+    # Whether a request may name ``<provider>/<upstream>`` that no model entry covers (a raw upstream, with no policy
+    # of its own); even then only keys whose allowlist names it may use one (see gateway.catalog).
+    allow_raw_upstreams: bool = False
+    # Seconds a concurrency slot held in Redis lives: a replica that dies holding slots frees them after this long.
+    concurrency_slot_ttl_s: float = Field(default=CONCURRENCY_SLOT_TTL_S, gt=0)
+    # Whether /openapi.json, /docs and /redoc answer without a key when keys are configured.
+    public_docs: bool = False
+    # Host names (besides loopback names and the address it serves on) a server without keys answers to: the
+    # Host header of every request must name one, so that DNS rebinding cannot reach an open server.
+    allowed_hosts: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _consistent(self) -> "GatewayConfig":

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from ..errors import REDACTED, scrub
 from ..limits import USAGE_BATCH, USAGE_FLUSH_TIMEOUT_S, USAGE_PURGE_INTERVAL_S, USAGE_QUEUE_MAX, USAGE_RETRY_MAX_S
 from ..store.db import Database
 from ..store.tables import UsageRow
@@ -38,7 +39,6 @@ GROUPS = {"key": "key_id", "user_path": "user_path", "model": "model", "provider
 # Always redacted from logged bodies, at any depth (case-insensitive).
 SECRET_FIELDS = frozenset({"authorization", "api_key", "api-key", "apikey", "key", "secret", "password", "token",
                            "access_token", "x-api-key"})
-REDACTED = "[redacted]"
 
 
 @dataclass
@@ -74,7 +74,8 @@ class UsageRecord:
 
 
 def redact(value: Any, fields: Iterable[str] = ()) -> Any:
-    """``value`` with every field named in SECRET_FIELDS or ``fields`` (any depth, any case) replaced."""
+    """``value`` with every field named in SECRET_FIELDS or ``fields`` (any depth, any case) replaced, and anything
+    shaped like a credential inside free text (``Bearer …``, ``sk-…``, ``api_key=…``) cut out (``errors.scrub``)."""
     names = SECRET_FIELDS | {f.lower() for f in fields}
 
     def walk(v: Any) -> Any:
@@ -82,6 +83,8 @@ def redact(value: Any, fields: Iterable[str] = ()) -> Any:
             return {k: REDACTED if str(k).lower() in names else walk(x) for k, x in v.items()}
         if isinstance(v, list):
             return [walk(x) for x in v]
+        if isinstance(v, str):
+            return scrub(v)
         return v
 
     return walk(value)

@@ -23,7 +23,8 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import ProviderError
-from ..gateway.router import Observer, Router, Target
+from ..gateway.catalog import Target
+from ..gateway.router import Observer, Router
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a tiny model answers in milliseconds, a CPU batch or an upstream in seconds.

@@ -4,6 +4,7 @@ HTTP plumbing the upstream ones share."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Protocol
 
 import httpx
@@ -50,6 +51,8 @@ class DecisionProvider(Protocol):
 
     def engines(self) -> dict[str, Any]: ...
 
+    def detokenize(self, ids: tuple[int, ...]) -> str: ...
+
     def unsupported(self, request: DecisionRequest) -> DecisionError | None: ...
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult: ...
@@ -85,7 +88,7 @@ class Provider:
         self.name = config.name
 
     @classmethod
-    def from_config(cls, config: ProviderConfig, engines: dict[str, Any]) -> "Provider":
+    def from_config(cls, config: ProviderConfig, engines: Mapping[str, Any]) -> "Provider":
         return cls(config)
 
     @classmethod
@@ -129,6 +132,11 @@ class Provider:
     def engines(self) -> dict[str, Any]:
         """The in-process engines this provider runs, by served name, for the metrics to read at scrape time."""
         return {}
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        """The text of token ids (what guardrails read of a ``/v1/score`` token-id prompt); only a provider that
+        runs its own model has a tokenizer."""
+        raise ValueError(f"provider {self.name!r} has no tokenizer to read token ids with")
 
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         """Why this provider cannot take ``request`` at all (it is then skipped without an attempt), or None."""

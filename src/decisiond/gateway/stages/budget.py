@@ -102,7 +102,7 @@ class BudgetView:
     def per(self) -> str:
         return self.period or f"{self.period_seconds} s"
 
-    def applies(self, caller: Caller, models: tuple[str | None, ...]) -> bool:
+    def applies(self, caller: Caller, models: tuple[str, ...]) -> bool:
         if self.key_id is not None:
             return caller.key_id == self.key_id
         if self.user_path is not None:
@@ -255,7 +255,7 @@ class BudgetStage:
             return await call_next(context, request)
         try:
             budgets = [b for b in await store.budgets()
-                       if b.applies(context.caller, (context.resolved_model, context.requested_model))]
+                       if b.applies(context.caller, self.router.policy_names(context.resolved_model or ""))]
             if not budgets:
                 return await call_next(context, request)
             amount = self.estimate(context, request)

@@ -29,8 +29,9 @@ from collections import OrderedDict
 from typing import Any
 
 from ...canonical import Answer, DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
+from ..catalog import Target
 from ..fingerprint import request_tree
-from ..router import Router, Target
+from ..router import Router
 from ..settings import CacheConfig
 from ..types import Context, Next
 from .guardrails import GuardrailSet
@@ -277,7 +278,8 @@ class CacheStage:
             target = self.router.first_target(request, name)
         if target is None or not self.enabled_for(name, target):
             return None
-        in_force = self.guardrails.for_request(name, context.caller.guardrails) if self.guardrails else []
+        models = self.router.policy_names(name)
+        in_force = self.guardrails.for_request(models, context.caller.guardrails) if self.guardrails else []
         fingerprint = [g.model_dump(mode="json") for g in in_force] or None
         return cache_key(context.operation, name, target, request, fingerprint), target
 
