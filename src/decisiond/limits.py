@@ -102,3 +102,10 @@ GUARDRAIL_JUDGE_MAX_CHARS = 64 * 1024
 # A concurrency slot (rate_limits.concurrent) held in Redis expires this long after it was taken, so that a replica
 # that dies holding slots does not hold them for ever (config: concurrency_slot_ttl_s).
 CONCURRENCY_SLOT_TTL_S = 3600
+# The output tokens a chat answer may bill when its request sets no max_tokens (budgets reserve this much; per model:
+# max_output_tokens).
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+# A budget reservation left by a request that never settled (its replica crashed, or the database was down when it
+# ended) is released this long after it was made, by whichever replica reserves on that budget next
+# (config: budget_reservation_ttl_s).
+BUDGET_RESERVATION_TTL_S = 3600

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ..canonical import DecisionRequest
 from ..errors import DecisionError, InvalidRequest, NotFound
+from ..limits import DEFAULT_MAX_OUTPUT_TOKENS
 from .config import ConfigError
 from .pricing import Pricing
 from .providers import build
@@ -61,6 +62,8 @@ class Target:
     cache: bool | None = None
     # False for a raw upstream (a ``<provider>/<upstream>`` no entry covers): it has no policy of its own.
     configured: bool = True
+    # The output tokens an answer may bill when the request sets no limit (budgets reserve it).
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
 
     @property
     def price(self) -> Pricing | None:
@@ -273,7 +276,7 @@ class Catalog:
 def _entry(m: ModelConfig, provider: Provider) -> Target:
     description = m.description or (provider.describe() if provider.own_model is not None else "")
     return Target(m.name, provider, m.upstream or m.name, tuple(m.capabilities), m.images, description,
-                  pricing=m.pricing, cache=m.cache)
+                  pricing=m.pricing, cache=m.cache, max_output_tokens=m.max_output_tokens)
 
 
 def _release(target: Target) -> str:

@@ -89,13 +89,3 @@ def cost(pricing: Pricing | None, usage: Usage, provider_format: str) -> float:
     cached = min(usage.cached_tokens, usage.input_tokens) if pricing.cached_input_per_mtok is not None else 0
     return ((usage.input_tokens - cached) * rate + cached * (pricing.cached_input_per_mtok or 0.0)
             + usage.output_tokens * (pricing.output_per_mtok or 0.0)) / MTOK
-
-
-def estimate(pricing: Pricing | None, input_tokens: int) -> float:
-    """The cost reserved against budgets before the call: the per-request price, or the estimated input tokens at
-    the input rate (output is not known in advance; the real cost is settled after the call)."""
-    if pricing is None:
-        return 0.0
-    if pricing.per_request is not None:
-        return pricing.per_request
-    return input_tokens * pricing.input_rate(input_tokens) / MTOK

@@ -20,6 +20,8 @@ from typing import Any, AsyncContextManager, Callable, Coroutine
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..errors import DecisionError, InvalidRequest, NotFound, ProviderError, provider_error
 from .catalog import Catalog, Target
+from .chat import ChatRequest, ChatResult
+from .forward import attempt
 from .providers.base import Provider
 from .result_check import check_result
 from .settings import DEFAULT_DEADLINE, GatewayConfig, VirtualModelConfig
@@ -125,8 +127,8 @@ class Router(Catalog):
         return canonical
 
     def chat_target(self, name: str) -> Target:
-        """The target for chat traffic: an OpenAI-shaped provider's model that is not decisions-only. A decision model
-        is refused with a pointer to /v1/decisions (as a chat model is refused there)."""
+        """The first target for chat traffic: an OpenAI-shaped provider's model that is not decisions-only. A
+        decision model is refused with a pointer to /v1/decisions (as a chat model is refused there)."""
         candidates = self.chain(name)
         if not candidates:
             raise NotFound(f"The model {name!r} does not exist or is not served here.", ("model",),
@@ -135,7 +137,39 @@ class Router(Catalog):
             if target.serves_chat:
                 return target
         raise InvalidRequest(f"model {name!r} is a decision model: send its requests to /v1/decisions", ("model",),
-                            code="model_not_supported")
+                             code="model_not_supported")
+
+    async def chat(self, request: ChatRequest, name: str, gate: Gate = _open_gate,
+                   deadline: float | None = None) -> ChatResult:
+        """Forward chat traffic to the targets ``name`` stands for, on the failover rules of decisions, but only
+        until the client has its first byte (``gateway.forward``). Targets that cannot serve chat are skipped
+        without an attempt. ``deadline``: the client's (``time.monotonic()``), for the whole exchange."""
+        failure: ProviderError | None = None
+        for target in self.chain(name):
+            if not target.serves_chat:
+                continue
+            started = self.observer.attempt(target)
+            try:
+                async with gate(target) as admission:
+                    result = await attempt(request, target, deadline)
+                    if admission is not None:
+                        await admission.settle(result.usage.input_tokens)
+            except ProviderError as error:
+                self.observer.attempt_done(target, started, error)
+                log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
+                                                     "failover": error.failover, "reason": error.message})
+                if request.relay.started.is_set() or not error.failover:
+                    raise
+                failure = error
+                continue
+            self.observer.attempt_done(target, started, result.failure if isinstance(result.failure, ProviderError)
+                                       else None)
+            return result
+        if failure is not None:
+            raise failure
+        self.chat_target(name)  # raises: no target of ``name`` serves chat
+        raise NotFound(f"The model {name!r} does not exist or is not served here.", ("model",),
+                       code="model_not_found")
 
     def score_target(self, name: str | None) -> Target:
         """The target that answers ``/v1/score`` for ``name``: the first of its chain whose provider has the

@@ -4,26 +4,23 @@ and the pipeline of stages in their one fixed order."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
 from ..dialects import openai as openai_dialect
-from ..errors import DecisionError, ServerError
+from ..errors import DecisionError, ProviderError, ServerError
 from ..store.db import Database
 from ..store.keys import KeyStore
 from . import pricing
 from .catalog import Target
 from .chat import ChatRequest, ChatResult
-from .forward import forward as forward_chat
 from .pipeline import Pipeline
-from .router import Gate, Router
+from .router import Router
 from .settings import GatewayConfig, GuardrailConfig
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
@@ -75,6 +72,9 @@ class Gateway:
             GuardrailStage(self.guardrails, router),
         ]
         self.pipeline = Pipeline(stages, self._route)
+        # A decision_judge guardrail's calls: its own user path's rate limits and budgets, then the router.
+        self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(
+            lambda: self.budgets, router, config.budgets_when_database_down)], self._route)
 
     @staticmethod
     def keys_configured(config: GatewayConfig) -> bool:
@@ -92,7 +92,7 @@ class Gateway:
             self.db = await Database.open(self.database_url)
             self.keys = KeyStore(self.db)
             self.auth.store = self.keys
-            self.budgets = BudgetStore(self.db)
+            self.budgets = BudgetStore(self.db, self.config.budget_reservation_ttl_s)
             for budget in self.config.budgets:
                 await self.budgets.put(budget, "config")
             self.usage = UsageWriter(self.db, self.config.audit.retention_days)
@@ -112,26 +112,31 @@ class Gateway:
             await self.db.aclose()
 
     async def _judge(self, guardrail: GuardrailConfig, text: str, request_id: str) -> float:
-        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call's
-        usage and cost go on a usage row of its own, under the guardrail's user path (not the caller's)."""
+        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call runs
+        as the guardrail's own caller (its ``user_path``): under that path's rate limits and budgets, and on a usage
+        row of its own (request type ``guardrail``), never charged to the caller being judged."""
         request = DecisionRequest(input=(Message("user", (Text(text),)),), questions=(judge_question(guardrail),),
                                   model=guardrail.model)
-        name = self.router.resolve_name(guardrail.model, strict=True, internal=True)
-        tried: list[Target] = []
-        started = time.perf_counter()
-        result: DecisionResult | None = None
-        failure: BaseException | None = None
+        caller = Caller(name=f"guardrail:{guardrail.name}", user_path=guardrail.user_path)
+        context = Context(request_id, "decide", "guardrail", caller, strict_model=True)
+        context.resolved_model = self.router.resolve_name(guardrail.model, strict=True, internal=True)
+        status: int = 500
+        code: str | None = "judge_failed"
+        result: Any = None
         try:
-            result = await self.router.decide(request, name, _tracking(tried))
-        except BaseException as error:  # recorded, then raised on to the guardrail's fail_mode
-            failure = error
+            result = await self.judge_pipeline.run(context, request)
+            status, code = 200, None
+        except DecisionError as error:  # recorded, then raised on to the guardrail's fail_mode
+            status, code = error.status, error.code
+            raise
+        except asyncio.CancelledError:  # the guardrail's timeout_ms ran out
+            status, code = 504, "guardrail_timeout"
             raise
         finally:
-            self._record_judge(guardrail, request_id, name, tried, result, failure, started)
-        answer = result.answers[0]
-        if answer.refusal:
-            raise RuntimeError(f"the judge model {guardrail.model!r} did not answer")
-        return answer.probabilities[0]
+            self.record("guardrail", context, status, code, result, None, None, guardrail=guardrail.name)
+        if not isinstance(result, DecisionResult) or result.answers[0].refusal:
+            raise ProviderError(f"the judge model {guardrail.model!r} did not answer", code="judge_refused")
+        return result.answers[0].probabilities[0]
 
     async def _route(self, context: Context, request: Any) -> Any:
         tokens = estimated_tokens(request)
@@ -145,9 +150,13 @@ class Gateway:
 
         if context.resolved_model is None:
             raise ServerError("the pipeline reached the router without a resolved model")
-        if isinstance(request, ChatRequest):  # no failover: the chat target of the model, its own limits at its gate
-            target = self.router.chat_target(context.resolved_model)
-            chat: ChatResult = await forward_chat(request, target, gate(target))
+        if isinstance(request, ChatRequest):  # failover until the first byte; each target's limits at its gate
+            try:
+                chat: ChatResult = await self.router.chat(request, context.resolved_model, gate, context.deadline)
+            except asyncio.CancelledError:  # the client left mid-stream: what was relayed is still charged
+                if request.partial is not None:
+                    self._priced(context, tried, request.partial.usage, "chat")
+                raise
             self._priced(context, tried, chat.usage, "chat")
             return chat
         if isinstance(request, ScoreRequest):
@@ -158,17 +167,30 @@ class Gateway:
         self._priced(context, tried, result.usage, result.provider_format)
         return result
 
-    async def answer_openai(self, body: Any, caller: Caller | None = None,
-                            request_id: str | None = None) -> dict[str, Any]:
-        """Answer an OpenAI-shaped decision body through the pipeline, as ``POST /v1/decisions`` would: the response
-        body, or a raised ``DecisionError``. What the library, the MCP tools and ``decisiond decide`` share."""
-        request = openai_dialect.parse_request(body)
+    async def answer_openai(self, body: Any, caller: Caller | None = None, request_id: str | None = None,
+                            request_type: str = "decisions") -> dict[str, Any]:
+        """Answer an OpenAI-shaped decision body through the whole pipeline as ``caller``, as ``POST /v1/decisions``
+        would, and leave its usage row (``request_type``: ``mcp`` for MCP tool calls): the response body, or a raised
+        ``DecisionError``. What the library and the MCP tools share."""
         context = Context(request_id or "lib_" + uuid.uuid4().hex, "decide", openai_dialect.DIALECT_NAME,
                           caller or Caller(), strict_model=True)
-        result = await self.pipeline.run(context, request)
-        if not isinstance(result, DecisionResult):
-            raise ServerError(f"the pipeline answered a decision with a {type(result).__name__}")
-        return openai_dialect.render_response(result, request)
+        status: int = 500
+        code: str | None = ServerError.code
+        result: Any = None
+        rendered: dict[str, Any] | None = None
+        try:
+            request = openai_dialect.parse_request(body)
+            result = await self.pipeline.run(context, request)
+            if not isinstance(result, DecisionResult):
+                raise ServerError(f"the pipeline answered a decision with a {type(result).__name__}")
+            rendered = openai_dialect.render_response(result, request)
+            status, code = 200, None
+            return rendered
+        except DecisionError as error:
+            status, code = error.status, error.code
+            raise
+        finally:
+            self.record(request_type, context, status, code, result, body, rendered)
 
     @staticmethod
     def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:
@@ -176,10 +198,11 @@ class Gateway:
             context.answered_by, context.cost = _answered(tried, usage, provider_format)
 
     def record(self, request_type: str, context: Context, status: int, error_code: str | None, result: Any,
-               document: Any, body: Any) -> None:
+               document: Any, body: Any, guardrail: str | None = None) -> None:
         """Hand one request's usage record to the background writer (never waits, never fails the request; a no-op
-        without a database). ``request_type``: decisions, system_one, score, chat or responses; ``document`` and
-        ``body``: the request and response bodies, kept (redacted) only with ``audit.log_bodies``."""
+        without a database). ``request_type``: one of ``usage.REQUEST_TYPES``; ``document`` and ``body``: the
+        request and response bodies, kept (redacted) only with ``audit.log_bodies``; ``guardrail``: the guardrail
+        a judge call was made for."""
         if self.usage is None:
             return
         answered = isinstance(result, (DecisionResult, ChatResult))
@@ -187,8 +210,9 @@ class Gateway:
         audit = self.config.audit
         provider, model = context.answered_by or (None, None)
         outcomes = dict(context.outcomes)
-        if isinstance(result, ChatResult) and not result.reported:
-            outcomes["usage"] = "not reported by the upstream"
+        estimated = isinstance(result, ChatResult) and result.estimated
+        if estimated:
+            outcomes["usage"] = "estimated: not reported by the upstream"
         try:
             self.usage.submit(UsageRecord(
                 time=datetime.now(timezone.utc), request_id=context.request_id, key_id=context.caller.key_id,
@@ -201,39 +225,11 @@ class Gateway:
                 output_tokens=usage.output_tokens if usage is not None else 0,
                 cost=context.cost or 0.0, status=status, error_code=error_code,
                 latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
-                guardrail=_guardrail_summary(outcomes), outcomes=outcomes or None,
+                estimated=estimated, guardrail=guardrail or _guardrail_summary(outcomes), outcomes=outcomes or None,
                 request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
                 response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
-
-    def _record_judge(self, guardrail: GuardrailConfig, request_id: str, name: str, tried: list[Target],
-                      result: DecisionResult | None, failure: BaseException | None, started: float) -> None:
-        """Hand one judge call's usage row to the writer (no-op without a database; never fails the call)."""
-        if self.usage is None:
-            return
-        usage = result.usage if result is not None else Usage()
-        answered_by, cost = _answered(tried, usage, result.provider_format) if result is not None and tried \
-            else ((None, None), 0.0)
-        if failure is None:
-            status, code = 200, None
-        elif isinstance(failure, DecisionError):
-            status, code = failure.status, failure.code
-        elif isinstance(failure, asyncio.CancelledError):  # the guardrail's timeout_ms ran out
-            status, code = 504, "guardrail_timeout"
-        else:
-            status, code = 502, "judge_failed"
-        try:
-            self.usage.submit(UsageRecord(
-                time=datetime.now(timezone.utc), request_id=request_id, key_id=None, user_path=guardrail.user_path,
-                request_type="guardrail", dialect=None, requested_model=guardrail.model, resolved_model=name,
-                provider=answered_by[0], model=answered_by[1],
-                upstream_model=result.model if result is not None else None, attempts=len(tried),
-                targets=[t.name for t in tried], input_tokens=usage.input_tokens, cached_tokens=usage.cached_tokens,
-                output_tokens=usage.output_tokens, cost=cost, status=status, error_code=code,
-                latency_ms=round((time.perf_counter() - started) * 1000, 2), guardrail=guardrail.name))
-        except Exception:  # a record must never fail the guardrail
-            log.exception("judge usage record not built", extra={"request_id": request_id})
 
 
 def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[tuple[str, str], float]:
@@ -247,14 +243,3 @@ def _guardrail_summary(outcomes: dict[str, str]) -> str | None:
     """``pii=redact (redacted email); words=warn`` from the guardrail stage's per-guardrail outcomes."""
     parts = [f"{k.removeprefix('guardrail:')}={v}" for k, v in outcomes.items() if k.startswith("guardrail:")]
     return "; ".join(parts)[:500] if parts else outcomes.get("guardrails")
-
-
-def _tracking(tried: list[Target]) -> Gate:
-    """A gate that admits every attempt and notes its target in ``tried``."""
-
-    @contextlib.asynccontextmanager
-    async def gate(target: Target) -> AsyncIterator[None]:
-        tried.append(target)
-        yield None
-
-    return gate

@@ -18,7 +18,13 @@ from pydantic import (
     model_validator,
 )
 
-from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S, CONCURRENCY_SLOT_TTL_S
+from ..limits import (
+    BUDGET_RESERVATION_TTL_S,
+    CACHE_MAX_BYTES,
+    CACHE_TTL_S,
+    CONCURRENCY_SLOT_TTL_S,
+    DEFAULT_MAX_OUTPUT_TOKENS,
+)
 from .pricing import Pricing
 
 MAX_CHAIN_DEPTH = 8
@@ -135,6 +141,19 @@ class RateLimitConfig(BaseModel):
         return all(v is None for k, v in self.model_dump().items() if k != "window_seconds")
 
 
+class ChatTimeouts(BaseModel):
+    """How long chat traffic may wait on a provider, apart from decision timeouts: a completion takes as long as it
+    takes (no overall cap but the client's ``x-decisiond-timeout-ms``), so only connecting, the first byte of the
+    answer (for a non-streamed answer, most upstreams send nothing before it is complete) and each silence between
+    chunks are bounded. Past one before the client's first byte, the next target of a virtual model is tried."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+
+
 class ProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -154,6 +173,8 @@ class ProviderConfig(BaseModel):
     # leaves a failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
     timeout: float = Field(default=4.0, gt=0)
     connect_timeout: float = Field(default=2.0, gt=0)
+    # Chat traffic's own timeouts (connect, first byte, between chunks).
+    chat: ChatTimeouts = Field(default_factory=ChatTimeouts)
     # Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``).
     images: bool | None = None
     limits: Limits | None = None
@@ -177,6 +198,8 @@ class ModelConfig(BaseModel):
     rate_limits: RateLimitConfig | None = None
     guardrails: list[str] = Field(default_factory=list)
     pricing: Pricing | None = None
+    # The most output tokens an answer may bill when the request sets no max_tokens of its own (budgets reserve it).
+    max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
     # Whether its answers are cached; None leaves it to its provider.
     cache: bool | None = None
 
@@ -312,6 +335,8 @@ class GatewayConfig(BaseModel):
     # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
     # their usage rows wait in the writer's queue) or refused with 503 ("refuse").
     budgets_when_database_down: Literal["admit", "refuse"] = "admit"
+    # Seconds after which a budget reservation that was never settled (its replica crashed) is released.
+    budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, gt=0)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
     # name); defaults to the first local provider's model.

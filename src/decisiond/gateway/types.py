@@ -57,6 +57,8 @@ class Context:
     answered_by: tuple[str, str] | None = None
     cost: float | None = None
     cache_hit: bool = False
+    # When the client stops waiting (``time.monotonic()``; ``x-decisiond-timeout-ms``), for stages that enforce it.
+    deadline: float | None = None
     # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
     request_headers: Mapping[str, str] = field(default_factory=dict)
 

@@ -32,7 +32,7 @@ log = logging.getLogger("decisiond.usage")
 
 # "guardrail": a decision_judge guardrail's call to its judge model, under the guardrail's own user path;
 # "chat", "responses": guarded chat traffic (/v1/chat/completions, /v1/responses).
-REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses")
+REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp")
 # Group-by names of the admin summaries → usage columns.
 GROUPS = {"key": "key_id", "user_path": "user_path", "model": "model", "provider": "provider",
           "request_type": "request_type", "resolved_model": "resolved_model", "status": "status"}
@@ -64,6 +64,7 @@ class UsageRecord:
     error_code: str | None
     latency_ms: float
     cache_hit: bool = False
+    estimated: bool = False
     guardrail: str | None = None
     outcomes: dict[str, str] | None = None
     request_body: Any = None

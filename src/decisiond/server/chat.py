@@ -80,6 +80,7 @@ async def _run(gateway: Gateway, route: str, context: Context, document: Any, re
     code: str | None = INTERNAL_ERROR.code
     result: ChatResult | None = None
     body: Any = None
+    request: ChatRequest | None = None
     try:
         request = _parse(route, document, relay)
         fields["model"] = request.model
@@ -87,19 +88,22 @@ async def _run(gateway: Gateway, route: str, context: Context, document: Any, re
         if not isinstance(answered, ChatResult):
             raise TypeError(f"the pipeline answered chat traffic with a {type(answered).__name__}")
         result = answered
-        status, code, body = result.status, None, result.document
+        status, body = result.status, result.document
+        code = result.failure.code if result.failure is not None else None  # a stream that ended early
         return result
     except DecisionError as error:
         status, body = openai_dialect.render_error(error)
         code = error.code
         raise
-    except asyncio.CancelledError:  # the client went away while the answer streamed
+    except asyncio.CancelledError:  # the client went away while the answer streamed: charged what was relayed
         status, code = ClientGone.status, ClientGone.code
+        result = request.partial if request is not None else None
         raise
     except Exception:
         log.exception("unhandled error", extra={"request_id": context.request_id})
         raise
     finally:
+        relay.close()
         gateway.record(ROUTES[route], context, status, code, result, document, body)
 
 

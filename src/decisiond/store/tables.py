@@ -67,6 +67,8 @@ class UsageRow(Base):
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     latency_ms: Mapped[float] = mapped_column(Float)
     cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
+    # True when the tokens were counted by decisiond (the upstream reported none), not reported by the upstream.
+    estimated: Mapped[bool] = mapped_column(Boolean, default=False)
     guardrail: Mapped[str | None] = mapped_column(String(200), nullable=True)
     outcomes: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     request_body: Mapped[Any] = mapped_column(JSON, nullable=True)
@@ -99,3 +101,18 @@ class BudgetWindow(Base):
     window_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     spent: Mapped[int] = mapped_column(BigInteger, default=0)
     reserved: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class BudgetReservation(Base):
+    """One request's reservation on one budget window, until it settles. ``budget_windows.reserved`` is the sum of
+    a window's live reservations; a reservation older than its time to live (its request never settled) is released
+    by the next request that reserves on that budget."""
+
+    __tablename__ = "budget_reservations"
+    __table_args__ = (Index("ix_budget_reservations_budget_created", "budget_id", "created_ms"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    budget_id: Mapped[str] = mapped_column(String(64))
+    window_start: Mapped[int] = mapped_column(BigInteger)
+    amount: Mapped[int] = mapped_column(BigInteger)
+    created_ms: Mapped[int] = mapped_column(BigInteger)

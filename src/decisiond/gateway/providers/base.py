@@ -53,6 +53,8 @@ class DecisionProvider(Protocol):
 
     def detokenize(self, ids: tuple[int, ...]) -> str: ...
 
+    async def input_tokens(self, request: DecisionRequest) -> int | None: ...
+
     def unsupported(self, request: DecisionRequest) -> DecisionError | None: ...
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult: ...
@@ -132,6 +134,11 @@ class Provider:
     def engines(self) -> dict[str, Any]:
         """The in-process engines this provider runs, by served name, for the metrics to read at scrape time."""
         return {}
+
+    async def input_tokens(self, request: DecisionRequest) -> int | None:
+        """The input tokens ``request`` will be billed for, counted exactly where this provider runs its own model
+        (its tokenizer), else None: the caller then uses a bound (``sizes.max_input_tokens``)."""
+        return None
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
         """The text of token ids (what guardrails read of a ``/v1/score`` token-id prompt); only a provider that

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ class LocalProvider(Provider):
 
     def engines(self) -> dict[str, Any]:
         return {self.engine.name: self.engine}
+
+    async def input_tokens(self, request: DecisionRequest) -> int:
+        """Exactly what the engine will count: every rendered prompt of every question (and order variant)."""
+        prepared = await asyncio.to_thread(self.engine.prepare, request)
+        return sum(len(v.prompt.ids) for q in prepared.questions for v in q.variants)
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
         return str(self.engine.tokenizer.decode(list(ids)))

@@ -300,6 +300,7 @@ class CacheStage:
             if blob is not None:
                 self.cache.hits += 1
                 context.cache_hit = True
+                context.cost = 0.0  # a hit calls no provider: x-decisiond-cost: 0, and nothing is charged
                 context.response_headers["x-cache"] = "HIT"
                 return decode(blob)
         return await self._compute(context, request, call_next, key, target)
