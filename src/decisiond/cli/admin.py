@@ -169,7 +169,7 @@ def _print_table(groups: list[str], rows: list[dict[str, Any]]) -> None:
     cells = [[str(r[g]) if r[g] is not None else "-" for g in groups]
              + [str(r["requests"]), str(r["input_tokens"]), str(r["output_tokens"]), f"{r['cost_usd']:.6f}"]
              for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
     for c in cells:
         print("  ".join(v.ljust(w) if i < len(groups) else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
