@@ -9,7 +9,8 @@ import os
 import pytest
 from servers import run_decisiond
 
-from decisiond.bench import runner, workload
+from decisiond.bench import measure, workload
+from decisiond.bench.report import markdown
 
 
 def test_workload_is_reproducible_and_sized():
@@ -31,7 +32,7 @@ def test_bench_command_end_to_end(tiny_dir, tmp_path):
     modes = [(r["workload"], r["mode"]) for r in report["rows"]]
     assert len(modes) == 12 and ("10q", "decisiond HTTP, 2 clients") in modes
     # The repeated-request workload: every ticket a miss then a hit (the runner checks X-Cache), in the same run.
-    assert ("3q", runner.CACHE_MISS) in modes and ("3q", runner.CACHE_HIT) in modes
+    assert ("3q", measure.CACHE_MISS) in modes and ("3q", measure.CACHE_HIT) in modes
     assert all(r["questions"] == r["requests"] * int(r["workload"][:-1]) for r in report["rows"])
     # The naive loop and decisiond computed the same probabilities.
     assert max(report["agreement"].values()) < 1e-4
@@ -44,10 +45,10 @@ def test_bench_command_end_to_end(tiny_dir, tmp_path):
     command = text.split("Reproduce: `")[1].split("`")[0]
     assert command.startswith("decisiond bench --model ")
     # The markdown report is a rendering of the JSON numbers, nothing else.
-    assert text == runner.markdown(runner_report(report), command)
+    assert text == markdown(runner_report(report), command)
 
 
 def runner_report(data: dict) -> dict:
-    rows = [runner.Row(r["workload"], r["mode"], r["requests"], r["questions"], r["seconds"], r["latencies"])
+    rows = [measure.Row(r["workload"], r["mode"], r["requests"], r["questions"], r["seconds"], r["latencies"])
             for r in data["rows"]]
     return {**data, "rows": rows}

@@ -1,4 +1,6 @@
-"""A reproducible workload: support tickets of about 150 tokens, each asked 3 (or 10) typed questions."""
+"""What the benchmark asks, reproducibly: support tickets of about 150 tokens, each asked 3 (or 10) typed questions;
+documents of about 2,000 tokens (asked 5 questions, or one question and then another); the fairness workload's
+50-question request. Also the names of the long-document workloads in the report."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..canonical import DecisionRequest, Level, Message, Option, Question, Text
+from ..dialects.openai import render_request
 
 _OPENINGS = ["Hi team,", "Hello,", "Good morning,", "Hey there,", "Dear support,", "Hi,"]
 _PRODUCTS = ["the invoicing dashboard", "the mobile app", "the CSV export", "the Stripe integration",
@@ -113,12 +116,14 @@ def requests(count: int = 200, questions: int = 3, seed: int = 7) -> list[Decisi
 
 def openai_body(request: DecisionRequest, model: str) -> dict[str, Any]:
     """The same request in OpenAI's wire shape, for the HTTP clients."""
-    from ..dialects.openai import render_request
-
     return render_request(request, model)
 
 
 # ------------------------------------------------------------------------------------------ long documents
+
+LONG = "long"  # documents of about 2,000 tokens, 5 questions each
+FIRST = "2K doc, first ask"  # other documents, asked one question (nothing of them cached)
+AGAIN = "2K doc, asked again"  # the same documents asked a new question: found in the prefix cache
 
 LONG_QUESTIONS = (TEAM, FRUSTRATION, URGENT, EXTRA[0], EXTRA[4])  # 5 questions
 ASK_FIRST = EXTRA[5]  # the churn question

@@ -1,8 +1,10 @@
 """The local decision engine: canonical request in, canonical result out.
 
 This is the backend-neutral part — prompt wording and chat templating (``prompt``), label checks, order and
-calibration modes (``calibration``), batching across requests (``scheduler``) — over a ``Backend`` that computes
-label log-probs (``backend``; by default the transformers backend on the loaded model)."""
+calibration modes (``calibration``), batching across requests (``scheduler``), answer assembly (``answers``) — over
+a ``Backend`` that computes label log-probs (``backend``; by default the transformers backend on the loaded model).
+The path, top to bottom: check and prepare a request, submit its prompts, read the evidence, assemble the result;
+then raw scoring (SGLang's /v1/score) on the same scheduler."""
 
 from __future__ import annotations
 
@@ -12,18 +14,18 @@ import json
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from .. import probability
-from ..canonical import Answer, DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
+from ..canonical import DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
 from ..errors import invalid, refused
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from ..rules import check_temperature
 from ..text import render_input
+from .answers import Prepared, PreparedQuestion, Variant, build_answer, cached_tokens, reorder
 from .backends.base import Backend, Scored
 from .backends.transformers import TransformersBackend
-from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, combine, shifts
+from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, shifts
 from .model import LoadedModel
 from .prefix_cache import Lru
 from .prompt import (
@@ -40,41 +42,6 @@ from .sandbox import request_deadline
 from .scheduler import DEFAULT_MAX_WAIT_S, Scheduler, Ticket
 
 T = TypeVar("T")
-
-
-@dataclass
-class Variant:
-    """One rendering of a question: its options in ``order`` (shown position -> original index)."""
-
-    order: list[int]
-    labels: list[str]
-    prompt: EncodedPrompt
-    # Content-free renderings (contextual calibration), by cache key: their label log-probs when cached (taken
-    # at preparation, so a cache eviction later cannot lose them), else the prompt still to score.
-    priors: dict[str, list[float] | EncodedPrompt] = field(default_factory=dict)
-
-
-@dataclass
-class PreparedQuestion:
-    question: Question
-    variants: list[Variant]
-
-    @property
-    def labels(self) -> list[str]:
-        return self.variants[0].labels
-
-    @property
-    def prompt(self) -> EncodedPrompt:
-        """The prompt with the options in the given order."""
-        return self.variants[0].prompt
-
-
-@dataclass
-class Prepared:
-    questions: list[PreparedQuestion]
-    order: str = "given"
-    calibrate: str = "none"
-
 
 PRIOR_CACHE_ENTRIES = 4096
 
@@ -154,31 +121,35 @@ class LocalEngine:
         order = order or request.order or self.order
         calibrate = calibrate or request.calibrate or self.calibrate
         kwargs = self.prompter.template_kwargs(request.chat_template_kwargs)
-        kwargs_key = json.dumps(kwargs, sort_keys=True, default=str)
         text = render_input(request.input)
-        prepared = []
         # A template the request brought renders in child processes, under one time budget for the request.
         with request_deadline() if "chat_template" in kwargs else contextlib.nullcontext():
-            for question in request.questions:
-                labels = labels_for(question)
-                if question.kind == "choice" and len(labels) > MAX_SINGLE_LETTER:
-                    content = render_question(text, question, labels)
-                    labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
-                variants = []
-                for perm in shifts(question.candidates, order == "cyclic" and question.kind == "choice"):
-                    shown = reorder(question, perm)
-                    prompt = self.prompter.encode(render_question(text, shown, labels), labels, kwargs, question.source)
-                    variant = Variant(perm, labels, prompt)
-                    if calibrate == "contextual":
-                        for free in CONTENT_FREE:
-                            content = render_question(free, shown, labels)
-                            key = kwargs_key + "\x00" + content
-                            cached = self._prior(key)
-                            variant.priors[key] = cached if cached is not None else \
-                                self.prompter.encode(content, labels, kwargs, question.source)
-                    variants.append(variant)
-                prepared.append(PreparedQuestion(question, variants))
+            prepared = [self._prepare_question(text, question, order, calibrate, kwargs)
+                        for question in request.questions]
         return Prepared(prepared, order, calibrate)
+
+    def _prepare_question(self, text: str, question: Question, order: str, calibrate: str,
+                          kwargs: dict[str, Any]) -> PreparedQuestion:
+        """The question's renderings: one per option order, each with its content-free priors when calibrating."""
+        labels = labels_for(question)
+        if question.kind == "choice" and len(labels) > MAX_SINGLE_LETTER:
+            content = render_question(text, question, labels)
+            labels = self.prompter.one_token_labels(content, len(labels), kwargs, question)
+        kwargs_key = json.dumps(kwargs, sort_keys=True, default=str)
+        variants = []
+        for perm in shifts(question.candidates, order == "cyclic" and question.kind == "choice"):
+            shown = reorder(question, perm)
+            prompt = self.prompter.encode(render_question(text, shown, labels), labels, kwargs, question.source)
+            variant = Variant(perm, labels, prompt)
+            if calibrate == "contextual":
+                for free in CONTENT_FREE:
+                    content = render_question(free, shown, labels)
+                    key = kwargs_key + "\x00" + content
+                    cached = self._prior(key)
+                    variant.priors[key] = cached if cached is not None else \
+                        self.prompter.encode(content, labels, kwargs, question.source)
+            variants.append(variant)
+        return PreparedQuestion(question, variants)
 
     def _prior(self, key: str) -> list[float] | None:
         return self._priors.get(key)
@@ -324,43 +295,3 @@ def _cancel_tickets(value: Any) -> None:
     for item in value if isinstance(value, tuple) else ():
         if isinstance(item, Ticket):
             item.future.cancel()
-
-
-def cached_tokens(job: Ticket, scored: Scored, input_tokens: int) -> int:
-    """Prompt tokens the request did not compute: shared tokens of its own prompts (computed once) and prefixes
-    reused from the prefix cache, as the backend counted them (at most ``input_tokens``)."""
-    if job.joined:  # another request's computation answered this one: nothing was computed for it
-        return input_tokens
-    scored_tokens = sum(len(p) for p in job.group.prompts)
-    return max(0, min(input_tokens, scored_tokens - scored.computed_tokens))
-
-
-def reorder(question: Question, order: list[int]) -> Question:
-    """The question with its options shown in ``order`` (sources kept, so errors still name the right option)."""
-    if question.kind != "choice" or order == list(range(len(question.options))):
-        return question
-    return replace(question, options=tuple(question.options[i] for i in order))
-
-
-def build_answer(prepared: PreparedQuestion, variants: list[VariantEvidence], contextual: bool, temperature: float,
-                 bias: list[float] | None, with_ids: bool) -> Answer:
-    question = prepared.question
-    probabilities, spread = combine(variants, contextual, temperature, bias)
-    confidence = None
-    if question.kind == "choice":
-        confidence = probability.choice_confidence(probabilities)
-    elif question.kind == "score":
-        confidence = probability.score_confidence(probabilities)
-    given = prepared.variants[0].prompt
-    return Answer(
-        kind=question.kind,
-        name=question.name,
-        probabilities=probabilities,
-        label_logprobs=list(variants[0].logprobs),
-        label_mass=math.fsum(probability.label_mass(v.logprobs) for v in variants) / len(variants),
-        confidence=confidence,
-        prompt_tokens=sum(len(v.prompt.ids) for v in prepared.variants),
-        prompt_token_ids=list(given.ids) if with_ids else None,
-        label_token_ids=list(given.label_ids) if with_ids else None,
-        extensions={"order_spread": spread} if len(variants) > 1 else {},
-    )

@@ -15,6 +15,7 @@ import select
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from ..errors import InvalidRequest, LimitExceeded, Unavailable, refused
 from ..limits import (
@@ -58,6 +59,22 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
     if deadline <= time.monotonic():
         raise LimitExceeded(f"{what} took longer than the {REQUEST_TEMPLATE_BUDGET_S:g} s a request may spend "
                             "rendering it", code="template_limit")
+    pid, read_fd = _fork(what, lambda write_fd: _child(fn, write_fd, memory_bytes, max_output))
+    payload = _read_child(pid, read_fd, deadline, what, timeout_s, max_output)
+    if payload[:1] == b"k" and len(payload) - 1 <= max_output:
+        return payload[1:].decode("utf-8", "surrogatepass")
+    if payload[:1] == b"k":
+        raise LimitExceeded(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
+    if payload[:1] == b"e":
+        reason = payload[1:].decode("utf-8", "replace")
+        if reason.startswith("MemoryError"):
+            reason = f"it needed more than {memory_bytes // 2**20} MiB"
+        raise InvalidRequest(f"{what} failed: {reason}", code="chat_template_error")
+    raise InvalidRequest(f"{what} failed: its renderer stopped without an answer", code="chat_template_error")
+
+
+def _fork(what: str, child: Callable[[int], NoReturn]) -> tuple[int, int]:
+    """A child process that runs ``child`` on the write end of a pipe; the parent gets its pid and the read end."""
     read_fd, write_fd = os.pipe()
     try:
         pid = os.fork()
@@ -66,25 +83,37 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
         os.close(write_fd)
         raise Unavailable(f"{what} cannot be rendered now: {error.strerror}", code="server_overloaded",
                           type="api_error") from None
-    if pid == 0:  # the child: render, report, exit without running the parent's clean-up
-        status = 0
-        try:
-            # Only the pipe to the parent stays open: not other requests' pipes or the server's sockets.
-            os.closerange(3, write_fd)
-            os.closerange(write_fd + 1, _max_fd())
-            _cap_memory(memory_bytes)
-            try:
-                payload = b"k" + fn().encode("utf-8", "surrogatepass")[: max_output + 1]
-            except BaseException as error:  # MemoryError, RecursionError, the template's own errors
-                payload = b"e" + f"{type(error).__name__}: {error}"[:500].encode("utf-8", "replace")
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(write_fd, view):]
-        except BaseException:
-            status = 1
-        finally:
-            os._exit(status)
+    if pid == 0:
+        child(write_fd)
     os.close(write_fd)
+    return pid, read_fd
+
+
+def _child(fn: Callable[[], str], write_fd: int, memory_bytes: int, max_output: int) -> NoReturn:
+    """The child: render, report (``k`` and the text, or ``e`` and the error), exit without running the parent's
+    clean-up."""
+    status = 0
+    try:
+        # Only the pipe to the parent stays open: not other requests' pipes or the server's sockets.
+        os.closerange(3, write_fd)
+        os.closerange(write_fd + 1, _max_fd())
+        _cap_memory(memory_bytes)
+        try:
+            payload = b"k" + fn().encode("utf-8", "surrogatepass")[: max_output + 1]
+        except BaseException as error:  # MemoryError, RecursionError, the template's own errors
+            payload = b"e" + f"{type(error).__name__}: {error}"[:500].encode("utf-8", "replace")
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(write_fd, view):]
+    except BaseException:
+        status = 1
+    finally:
+        os._exit(status)
+
+
+def _read_child(pid: int, read_fd: int, deadline: float, what: str, timeout_s: float, max_output: int) -> bytes:
+    """What the child wrote, read until it closes the pipe; past the deadline or the output limit, a
+    ``LimitExceeded``. The child is killed and reaped either way."""
     chunks: list[bytes] = []
     size = 0
     poller = select.poll()  # not select(): descriptors above 1024 are common on a busy server
@@ -110,17 +139,7 @@ def run_isolated(fn: Callable[[], str], what: str, timeout_s: float = REQUEST_TE
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
-    payload = b"".join(chunks)
-    if payload[:1] == b"k" and len(payload) - 1 <= max_output:
-        return payload[1:].decode("utf-8", "surrogatepass")
-    if payload[:1] == b"k":
-        raise LimitExceeded(f"{what} rendered more than {max_output:,} bytes", code="template_limit")
-    if payload[:1] == b"e":
-        reason = payload[1:].decode("utf-8", "replace")
-        if reason.startswith("MemoryError"):
-            reason = f"it needed more than {memory_bytes // 2**20} MiB"
-        raise InvalidRequest(f"{what} failed: {reason}", code="chat_template_error")
-    raise InvalidRequest(f"{what} failed: its renderer stopped without an answer", code="chat_template_error")
+    return b"".join(chunks)
 
 
 def _max_fd() -> int:

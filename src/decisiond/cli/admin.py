@@ -1,0 +1,175 @@
+"""The administration commands, on the database the server writes to: ``decisiond keys`` (create, list and revoke
+managed API keys) and ``decisiond usage`` (usage and cost totals as a table). They run the same code as the admin
+API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from datetime import date, datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from .common import load_config, refuse
+
+if TYPE_CHECKING:
+    from ..store.keys import KeyStore
+
+
+def _add_database_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="the gateway YAML whose database_url to use")
+    p.add_argument("--database-url", default=None, help="sqlite:///path or postgresql://user@host/db")
+
+
+def register_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = sub.add_parser("keys", help="create, list and revoke managed API keys")
+    _add_database_args(keys)
+    keys.add_argument("--log-level", default="warning")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (once)")
+    create.add_argument("--name", required=True)
+    create.add_argument("--user-path", default="/")
+    create.add_argument("--models", default=None, help="comma-separated model names or provider/* (default: all)")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    create.add_argument("--rpd", type=int, default=None, help="requests per day")
+    create.add_argument("--tpm", type=int, default=None, help="input tokens per minute")
+    create.add_argument("--concurrent", type=int, default=None, help="requests in flight")
+    create.add_argument("--expires-in", type=int, default=None, metavar="SECONDS")
+    create.add_argument("--guardrails", default=None,
+                        help="comma-separated names of guardrails in --config's YAML, run on the key's requests")
+    keys_sub.add_parser("list", help="list keys (never their secrets)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("id")
+    keys.set_defaults(func=cmd_keys)
+
+
+def register_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    usage_cmd = sub.add_parser("usage", help="print usage and cost totals from the database as a table")
+    _add_database_args(usage_cmd)
+    usage_cmd.add_argument("--group-by", default="model",
+                           help="comma-separated: key, user_path, model, provider, request_type (default: model)")
+    usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
+    usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
+    usage_cmd.add_argument("--request-type", default=None,  # usage.REQUEST_TYPES (a test keeps them equal)
+                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses"])
+    usage_cmd.add_argument("--log-level", default="warning")
+    usage_cmd.set_defaults(func=cmd_usage)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Managed keys in the database the server uses (``--config``'s database_url, or DECISIOND_DATABASE_URL, or
+    the default SQLite file): the same code as the admin API."""
+    # Lazy: the gateway's configuration models (start-up time).
+    from ..gateway.config import ConfigError
+    from ..gateway.service import DATABASE_URL_ENV
+    from ..gateway.settings import unknown_guardrail
+
+    try:
+        config = load_config(args)
+    except ConfigError as error:
+        return refuse(error)
+    guardrails = list(dict.fromkeys(g.strip() for g in (getattr(args, "guardrails", None) or "").split(",")
+                                    if g.strip()))
+    defined = [g.name for g in config.guardrails] if config else []
+    missing = unknown_guardrail(guardrails, defined)
+    if missing is not None:  # checked against the server's config, as the admin API checks them
+        return refuse(f"unknown guardrail {missing!r}; configured guardrails: "
+                      f"{', '.join(repr(n) for n in defined) or 'none (give the server config with --config)'}")
+    url = args.database_url or (config.database_url if config else None) or os.environ.get(DATABASE_URL_ENV)
+    try:
+        return asyncio.run(_keys(args, url, guardrails))
+    except ValueError as error:
+        return refuse(error)
+
+
+async def _keys(args: argparse.Namespace, url: str | None, guardrails: list[str]) -> int:
+    """``keys create``, ``list`` or ``revoke`` on the database at ``url``; the exit code."""
+    # Lazy: SQLAlchemy (start-up time).
+    from ..store.db import Database
+    from ..store.keys import KeyStore
+
+    db = await Database.open(url)
+    store = KeyStore(db)
+    try:
+        if args.action == "create":
+            await _create_key(args, store, guardrails)
+        elif args.action == "list":
+            rows = [r.public() for r in await store.list()]
+            print(f"{'id':<18} {'name':<20} {'user_path':<20} {'status':<8} models")
+            for r in rows:
+                print(f"{r['id']:<18} {r['name'][:20]:<20} {r['user_path'][:20]:<20} {r['status']:<8} "
+                      f"{','.join(r['models']) if r['models'] is not None else '*'}")
+        else:
+            revoked = await store.revoke(args.id)
+            if revoked is None:
+                return refuse(f"no API key with id {args.id!r}", 1)
+            print(json.dumps(revoked.public(), indent=2))
+        return 0
+    finally:
+        await db.aclose()
+
+
+async def _create_key(args: argparse.Namespace, store: KeyStore, guardrails: list[str]) -> None:
+    """Create the key ``keys create`` describes and print it, with its secret, once."""
+    # Lazy: the gateway's configuration models (start-up time).
+    from ..gateway.settings import RateLimitConfig, check_user_path
+
+    limits = RateLimitConfig(requests_per_minute=args.rpm, requests_per_day=args.rpd,
+                             input_tokens_per_minute=args.tpm, concurrent=args.concurrent)
+    expires = (datetime.now(timezone.utc) + timedelta(seconds=args.expires_in)
+               if args.expires_in else None)
+    record, key = await store.create(
+        args.name, check_user_path(args.user_path),
+        [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
+        limits.model_dump(exclude_defaults=True) or None, expires, guardrails)
+    print(json.dumps({**record.public(), "key": key}, indent=2))
+    print("The key is shown once; store it now.", file=sys.stderr)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    """Usage totals from the database the server writes to (the same query as ``GET /admin/usage/summary``),
+    printed as a table."""
+    # Lazy: the gateway and SQLAlchemy (start-up time).
+    from ..gateway import usage
+    from ..gateway.config import ConfigError
+    from ..gateway.service import DATABASE_URL_ENV
+    from ..store.db import Database
+
+    try:
+        config = load_config(args)
+        groups = [g.strip() for g in args.group_by.split(",") if g.strip()]
+        unknown = [g for g in groups if g not in usage.GROUPS]
+        if unknown:
+            raise ConfigError(f"--group-by: unknown group {unknown[0]!r}; use {', '.join(usage.GROUPS)}")
+        start = datetime.combine(date.fromisoformat(args.start), datetime.min.time(), timezone.utc) \
+            if args.start else None
+        end = datetime.combine(date.fromisoformat(args.end), datetime.min.time(), timezone.utc) + timedelta(days=1) \
+            if args.end else None
+    except (ConfigError, ValueError) as error:
+        return refuse(error)
+    url = args.database_url or (config.database_url if config else None) or os.environ.get(DATABASE_URL_ENV)
+
+    async def run() -> list[dict[str, Any]]:
+        db = await Database.open(url)
+        try:
+            return await usage.summary(db, groups, usage.UsageFilter(start=start, end=end,
+                                                                     request_type=args.request_type))
+        finally:
+            await db.aclose()
+
+    _print_table(groups, asyncio.run(run()))
+    return 0
+
+
+def _print_table(groups: list[str], rows: list[dict[str, Any]]) -> None:
+    """The usage rows as columns: the groups left-aligned, the totals right-aligned."""
+    headers = [*groups, "requests", "input_tokens", "output_tokens", "cost_usd"]
+    cells = [[str(r[g]) if r[g] is not None else "-" for g in groups]
+             + [str(r["requests"]), str(r["input_tokens"]), str(r["output_tokens"]), f"{r['cost_usd']:.6f}"]
+             for r in rows]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    for c in cells:
+        print("  ".join(v.ljust(w) if i < len(groups) else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))

@@ -1,0 +1,96 @@
+"""The long-running commands: ``decisiond serve`` (the HTTP server and gateway) and ``decisiond mcp`` (the MCP
+tools over stdio), on one local model or on the gateway a config describes."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from .common import (
+    add_model_args,
+    add_quality_args,
+    add_scheduling_args,
+    build_router,
+    is_loopback,
+    load_config,
+    log,
+    refuse,
+)
+
+
+def register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    serve.add_argument("--config", default=None,
+                       help="gateway YAML (providers, models, virtual models); without it, the local model alone")
+    serve.add_argument("--body-read-timeout", type=float, default=BODY_READ_TIMEOUT_S, metavar="SECONDS",
+                       help="408 for a client whose whole body has not arrived by then "
+                            f"(default {BODY_READ_TIMEOUT_S:g})")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve a non-loopback host although no API key is configured")
+    add_scheduling_args(serve)
+    add_quality_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def register_mcp(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    mcp = sub.add_parser("mcp", help="serve the MCP tools decide and list_models over stdio")
+    add_model_args(mcp)
+    mcp.add_argument("--config", default=None, help="gateway YAML, as for serve")
+    add_scheduling_args(mcp)
+    add_quality_args(mcp)
+    mcp.set_defaults(func=cmd_mcp)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Lazy: the gateway's configuration models (start-up time).
+    from ..gateway.config import ConfigError
+    from ..gateway.service import Gateway
+    from ..gateway.settings import GatewayConfig
+
+    try:
+        config = load_config(args)
+    except ConfigError as error:
+        return refuse(error)
+    unauthenticated = not Gateway.keys_configured(config or GatewayConfig())
+    if unauthenticated and not is_loopback(args.host) and not args.allow_unauthenticated:
+        return refuse(f"refusing to serve {args.host} without an API key: set auth.master_key in the config or "
+                      "DECISIOND_MASTER_KEY, or pass --allow-unauthenticated")
+    # Imported only once the configuration is known to be servable: a refusal above answers at once.
+    import uvicorn
+
+    from ..engine.calibration import ProfileError
+    from ..engine.model import ModelNotFound
+    from ..server.app import Settings, create_app
+
+    try:
+        router = build_router(args, config)
+    except (ConfigError, ModelNotFound, ProfileError) as error:
+        log.error(str(error))
+        return refuse(error)
+    settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout)
+    app = create_app(router, settings, Gateway(router, config))
+    log.info("serving", extra={"host": args.host, "port": args.port})
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                timeout_keep_alive=60)
+    return 0
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """The MCP server over stdio (tools decide and list_models), on the model or the gateway config given."""
+    # Lazy: the gateway, the MCP server and decisiond.engine (torch) (start-up time).
+    from ..engine.model import ModelNotFound
+    from ..gateway.config import ConfigError
+    from ..gateway.service import Gateway
+    from ..server import mcp as mcp_server
+
+    try:
+        config = load_config(args)
+        router = build_router(args, config)
+    except (ConfigError, ModelNotFound) as error:
+        return refuse(error)
+    mcp_server.build(Gateway(router, config)).run("stdio")
+    return 0
