@@ -1,7 +1,8 @@
 """Which model a name means: every spelling of a model resolves to one entry, and the entry carries the model's policy.
 
-The catalog holds the configured models (``models:`` entries), the model each in-process provider runs itself (served
-as ``<provider>/<model>``), and the virtual models. Every other way of naming a model is an alias of one of them:
+The catalog holds the configured models (``models:`` entries), the model each in-process provider runs itself (under
+its served name, or ``<provider>/<model>`` where that name is taken), and the virtual models. Every other way of
+naming a model is an alias of one of them:
 
 - ``<provider>/<upstream>`` of a configured entry (``fs1/secret-upstream-model`` → ``s1m``);
 - ``<provider>/<model>``, ``<model>`` and ``<provider>/default`` of a provider that runs its own model;
@@ -161,12 +162,15 @@ class Catalog:
                 aliases[spelling] = Ambiguous(f"{known}, {canonical}")
 
         first_own: str | None = None
+        owns = [providers[p.name].own_model for p in config.providers]
         for p in config.providers:
             provider, own = providers[p.name], providers[p.name].own_model
             if own is None:
                 continue
             entries = [m.name for m in config.models if m.provider == p.name]
-            canonical = entries[0] if len(entries) == 1 else f"{p.name}/{own}"
+            # Its served name, unless another name or another provider's model takes it.
+            plain = own if owns.count(own) == 1 and own not in models and own not in virtual_names else None
+            canonical = entries[0] if len(entries) == 1 else plain or f"{p.name}/{own}"
             if not entries or len(entries) > 1:  # no entry (or several): the model is served under its own name
                 models.setdefault(canonical, Target(canonical, provider, own, description=provider.describe()))
             for spelling in (f"{p.name}/{own}", own, f"{p.name}/{DEFAULT_ALIAS}"):
