@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ConfigError, ModelNotFound, ProfileError) as error:
         log.error(str(error))
         return refuse(error)
-    settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout)
+    settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout, host=args.host)
     app = create_app(router, settings, Gateway(router, config))
     log.info("serving", extra={"host": args.host, "port": args.port})
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,

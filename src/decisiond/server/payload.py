@@ -122,7 +122,22 @@ async def _multipart(data: bytes, content_type: str) -> tuple[Any, dict[str, Upl
     return document, files
 
 
+def check_content_type(content_type: str) -> None:
+    """415 unless the body is JSON (``application/json``, ``application/*+json``, or no Content-Type at all) or
+    ``multipart/form-data``. A browser page can POST ``text/plain`` or a URL-encoded form to any host without a
+    CORS preflight; refusing them before the body is read keeps such a page from spending on a server it reaches.
+    (A multipart form from another origin is refused by its ``Origin``: ``server.guard``.)"""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media in ("", "application/json", "multipart/form-data") or (
+            media.startswith("application/") and media.endswith("+json")):
+        return
+    raise InvalidRequest(f"Content-Type {media!r} is not accepted here; send application/json (or "
+                         "multipart/form-data with a 'request' part).", ("content-type",),
+                         code="unsupported_media_type", status=415)
+
+
 async def read_payload(request: Request, limit: int, timeout: float = BODY_READ_TIMEOUT_S) -> Payload:
+    check_content_type(request.headers.get("content-type", ""))
     raw = await read_body(request, limit, timeout)
     encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
     data = decompress(raw, encoding, limit)
