@@ -23,7 +23,7 @@ from ..errors import DecisionError, openai_param
 from ..gateway.service import Gateway
 from ..gateway.stages.allowlist import allowed
 from ..gateway.types import Caller
-from ..library import Decision
+from ..library.answers import Decision
 from ..version import __version__
 
 INSTRUCTIONS = (
