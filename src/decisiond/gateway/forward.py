@@ -14,7 +14,7 @@ from typing import Any, AsyncContextManager
 import httpx
 
 from ..canonical import Usage
-from ..errors import ServerError, provider_error
+from ..errors import ServerError, provider_error, retry_headers
 from .chat import ChatRequest, ChatResult, UsageMeter
 from .providers.base import error_message
 from .providers.openai import OpenAIProvider
@@ -44,7 +44,7 @@ async def forward(request: ChatRequest, target: Target, gate: AsyncContextManage
         try:
             if upstream.status_code >= 400:
                 text = (await upstream.aread()).decode(errors="replace")
-                kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
+                kept = retry_headers(upstream.headers)
                 raise provider_error(provider.name, upstream.status_code, _message(text), kept,
                                      secrets=provider.secrets)
             content_type = upstream.headers.get("content-type", "application/json")

@@ -39,9 +39,3 @@ The modules, each importing only those before it:
 
 The public names are ``decisiond``'s (``decisiond.__all__``), imported there from these modules.
 """
-
-# ``decisiond.cli`` reaches the deciders as ``library.Client``/``library.load``/``library.Engine``; until it names
-# the modules below, these keep that working.
-from .client import Client as Client
-from .inprocess import Engine as Engine
-from .inprocess import load as load

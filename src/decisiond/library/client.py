@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from ..errors import (
+from ..errors import retry_headers
     AuthenticationFailed,
     BudgetExceeded,
     ConnectionFailed,
@@ -40,15 +41,13 @@ _CLASSES: dict[str | int, type[DecisionError]] = {
     400: InvalidRequest, 401: AuthenticationFailed, 402: BudgetExceeded, 403: PermissionDenied, 404: NotFound,
     413: LimitExceeded, 422: InvalidRequest, 429: RateLimited, 500: ServerError, 503: Unavailable, 504: Timeout,
 }
-# The response headers a refusal keeps: when to retry (both SDKs honour them, ``retry-after-ms`` first).
-_KEPT_HEADERS = ("retry-after", "retry-after-ms")
 
 
 def error_from(status: int, body: Any, text: str, headers: Mapping[str, str]) -> DecisionError:
     """The exception an error response stands for, with its message, ``param`` (as ``path``), code, status, type and
     retry headers. A response that is not an OpenAI error object (not JSON: a proxy's page, a broken body), or a
     success whose body is not the answer asked for, is a ``ProviderError`` (``invalid_response``) naming the status."""
-    kept = {name: headers[name] for name in _KEPT_HEADERS if name in headers}
+    kept = retry_headers(headers)
     error = body.get("error") if isinstance(body, dict) and status >= 400 else None
     if not isinstance(error, dict):
         if body is None:

@@ -27,7 +27,7 @@ from limits import (
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error
+from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error, retry_headers
 from ..settings import RateLimitConfig, UserPathLimit, in_subtree
 from ..sizes import estimated_tokens
 from ..types import Caller, Context, Next
@@ -319,7 +319,7 @@ class TargetGate:
 
 
 def _unavailable(error: RateLimited, provider: str) -> ProviderError:
-    kept = {k: v for k, v in error.headers.items() if k in ("retry-after", "retry-after-ms")}
+    kept = retry_headers(error.headers)
     return provider_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
 
 
