@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 
 from ..errors import (
-from ..errors import retry_headers
     AuthenticationFailed,
     BudgetExceeded,
     ConnectionFailed,
@@ -27,6 +26,7 @@ from ..errors import retry_headers
     ServerError,
     Timeout,
     Unavailable,
+    retry_headers,
 )
 from .decider import Decider, LoopThread, T
 
