@@ -3,7 +3,7 @@ providers (``openai``, ``azure``) through the gateway's pipeline, so behind the 
 budgets and prompt guardrails as decisions, and with one usage record each (request type ``chat`` or
 ``responses``) carrying the upstream's tokens and their cost. The body goes upstream as sent (model replaced,
 redactions applied); the answer — server-sent events included — comes back as the upstream sends it, unbuffered
-(``gateway.passthrough`` reads its usage on the way). Errors are OpenAI-shaped."""
+(``gateway.chat`` reads its usage on the way). Errors are OpenAI-shaped."""
 
 from __future__ import annotations
 
