@@ -226,6 +226,14 @@ def refused(message: str, *path: str | int, code: str = "unsupported_value") -> 
 
 
 UPSTREAM_MESSAGE_LIMIT = 512
+# The headers of a refusal that say when to retry, kept from an upstream's answer and relayed to clients (both SDKs
+# honour ``retry-after-ms`` first, then ``retry-after``).
+RETRY_HEADERS = ("retry-after", "retry-after-ms")
+
+
+def retry_headers(headers: Any) -> dict[str, str]:
+    """The retry headers among ``headers`` (any mapping, names in any case)."""
+    return {k.lower(): v for k, v in headers.items() if k.lower() in RETRY_HEADERS}
 FAILOVER_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
 
 # What credentials look like in an upstream's error text: bearer tokens, sk-/dk- style keys, key=value pairs.

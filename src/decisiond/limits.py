@@ -1,6 +1,6 @@
 """The one table of limits every layer reads: what each wire format publishes, what the local engine can
 label, and what decisiond bounds on its own. A number appears here and nowhere else; the modules that enforce a
-limit import it (the dialects in their schemas, ``gateway.limits`` for every request whatever answers it and for
+limit import it (the dialects in their schemas, ``gateway.sizes`` for every request whatever answers it and for
 each provider, the engine for its labels)."""
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ BUDGET_CACHE_S = 2.0
 BUDGET_DB_TIMEOUT_S = 3.0
 # GET /admin/audit: rows per page at most.
 AUDIT_PAGE_MAX = 1000
-# The response cache (``gateway.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
+# The response cache (``gateway.stages.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
 # encoded answers one process keeps in memory (least recently used first out).
 CACHE_TTL_S = 3600
 CACHE_MAX_BYTES = 64 * 1024 * 1024
-# Chat traffic (``gateway.passthrough``): chunks of an answer waiting between the upstream and a slow client (the
+# Chat traffic (``gateway.chat``): chunks of an answer waiting between the upstream and a slow client (the
 # upstream is read no faster than the client takes them), and the most of a JSON answer, or of one server-sent event
 # line, kept to read the usage from (a larger one passes through uncounted, logged).
 CHAT_RELAY_CHUNKS = 16

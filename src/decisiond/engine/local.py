@@ -22,7 +22,7 @@ from ..errors import invalid, refused
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from ..rules import check_temperature
 from ..text import render_input
-from .answers import Prepared, PreparedQuestion, Variant, build_answer, cached_tokens, reorder
+from .assembly import Prepared, PreparedQuestion, Variant, build_answer, cached_tokens, reorder
 from .backends.base import Backend, Scored
 from .backends.transformers import TransformersBackend
 from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, shifts

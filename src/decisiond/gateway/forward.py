@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from ..canonical import Usage
-from ..errors import DecisionError, ServerError, Timeout, provider_error
+from ..errors import DecisionError, ServerError, Timeout, provider_error, retry_headers
 from ..limits import CHAT_USAGE_SCAN_BYTES
 from .catalog import Target
 from .chat import ChatRequest, ChatResult, ChatStream
@@ -102,7 +102,7 @@ async def _refusal(provider: OpenAIProvider, response: httpx.Response, deadline:
         message = error_message(text)
     except ValueError:
         message = text.strip()[:512] or "(no body)"
-    kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
+    kept = retry_headers(response.headers)
     return provider_error(provider.name, response.status_code, message, kept, secrets=provider.secrets)
 
 

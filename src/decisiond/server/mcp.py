@@ -2,7 +2,7 @@
 ``list_models``, over stdio (``decisiond mcp``) or streamable HTTP at ``/mcp`` on the HTTP server.
 
 Over HTTP the endpoint sits behind the same keys as every other route (``Authorization: Bearer <key>``, checked
-by ``gateway.auth.Authenticator`` before the MCP transport sees the request; a key's model allowlist and rate
+by ``gateway.stages.auth.Authenticator`` before the MCP transport sees the request; a key's model allowlist and rate
 limits apply to its tool calls, which run through the same gateway pipeline as ``POST /v1/decisions``). Over stdio
 the caller is whoever started the process.
 """
@@ -23,7 +23,7 @@ from ..errors import DecisionError, openai_param
 from ..gateway.service import Gateway
 from ..gateway.stages.allowlist import allowed
 from ..gateway.types import Caller
-from ..library import Decision
+from ..library.answers import Decision
 from ..version import __version__
 
 INSTRUCTIONS = (

@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import httpx
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-from ...errors import DecisionError, InvalidRequest, provider_error
+from ...errors import DecisionError, InvalidRequest, provider_error, retry_headers
 from ..settings import Limits, ProviderConfig
 
 
@@ -215,7 +215,7 @@ class HttpProvider(Provider):
                                  secrets=self.secrets,
                                  code="upstream_unavailable") from e
         if response.status_code >= 400:
-            kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
+            kept = retry_headers(response.headers)
             raise provider_error(self.name, response.status_code, error_message(response.text), kept,
                                  secrets=self.secrets)
         try:

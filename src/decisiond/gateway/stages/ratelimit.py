@@ -2,7 +2,7 @@
 window (in-process memory, or Redis so that replicas share one set of counters), plus concurrent-request caps.
 
 Requests per second/minute/hour/day and input tokens per minute. Tokens are estimated before the call (4
-characters a token, as ``gateway.limits`` estimates them) and reserved with the request; after the call, what the
+characters a token, as ``gateway.sizes`` estimates them) and reserved with the request; after the call, what the
 provider really counted above the estimate is added, so concurrent requests cannot overshoot a window.
 
 Key and user-path limits are checked by the pipeline stage (before guardrails, so an over-limit request costs
@@ -28,7 +28,7 @@ from limits import (
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error
+from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error, retry_headers
 from ...limits import CONCURRENCY_SLOT_TTL_S
 from ..settings import RateLimitConfig, UserPathLimit, in_subtree
 from ..sizes import estimated_tokens
@@ -335,7 +335,7 @@ class TargetGate:
 
 
 def _unavailable(error: RateLimited, provider: str) -> ProviderError:
-    kept = {k: v for k, v in error.headers.items() if k in ("retry-after", "retry-after-ms")}
+    kept = retry_headers(error.headers)
     return provider_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
 
 
