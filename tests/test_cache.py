@@ -19,17 +19,20 @@ from servers import start_decisiond
 MASTER = "cache-master-key-0123456789"
 
 CONFIG = """
+allow_raw_upstreams: true  # these tests name upstream models as <provider>/<upstream>
 auth:
   master_key: "${TEST_MASTER}"
 cache: {ttl: 60}
 providers:
   - {name: local, type: local, model: "${TINY_DIR}", served_model_name: tiny-local}
+  - {name: local2, type: local, model: "${TINY_DIR}", served_model_name: tiny-second}
   - {name: up, type: openai, base_url: "${UP}/v1", api_key: upkey, cache: true}
   - {name: slow, type: openai, base_url: "${SLOW}/v1", api_key: upkey, cache: true}
   - {name: plain, type: openai, base_url: "${UP}/v1", api_key: upkey}
   - {name: e529, type: openai, base_url: "${E529}/v1", api_key: upkey, cache: true}
 models:
-  - {name: uncached, provider: local, upstream: tiny-local, cache: false}
+  # A model entry covers every name of its model (local2/tiny-second, tiny-second): all of them uncached.
+  - {name: uncached, provider: local2, cache: false}
 virtual_models:
   - {name: fallback, targets: [e529/x, up/gpt-6-luna]}
   - {name: valias, strategy: alias, targets: [local/tiny-local], cache: false}

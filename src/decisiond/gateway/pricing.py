@@ -20,7 +20,8 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..canonical import Usage
+from ..canonical import DecisionRequest, ScoreRequest, Usage
+from .chat import ChatRequest
 
 MTOK = 1_000_000
 
@@ -73,6 +74,14 @@ def check_pricing(where: str, pricing: Pricing | None, capabilities: Iterable[st
     if pricing.per_token and not reports_tokens:
         raise ValueError(f"{where}: this provider reports no token counts, so a per-token price would cost every "
                          "call nothing; give it a per_request price")
+
+
+def billed_as(request: DecisionRequest | ScoreRequest | ChatRequest, provider_format: str) -> str:
+    """The format a request is billed by: chat traffic as chat (input and output), ``/v1/score`` as a local call,
+    a decision by the wire format that answers it (``provider_format``)."""
+    if isinstance(request, ChatRequest):
+        return "chat"
+    return "local" if isinstance(request, ScoreRequest) else provider_format
 
 
 def cost(pricing: Pricing | None, usage: Usage, provider_format: str) -> float:

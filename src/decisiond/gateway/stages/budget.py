@@ -307,7 +307,7 @@ class BudgetStage:
             counted = await t.provider.input_tokens(request) if isinstance(request, DecisionRequest) else None
             usage = Usage(input_tokens=counted if counted is not None else max_input_tokens(request),
                           output_tokens=max_output_tokens(request, t.max_output_tokens))
-            worst = max(worst, to_nano(pricing.cost(t.price, usage, t.provider.format)))
+            worst = max(worst, to_nano(pricing.cost(t.price, usage, pricing.billed_as(request, t.provider.format))))
         return worst
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
