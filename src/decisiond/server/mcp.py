@@ -64,7 +64,7 @@ def build(gateway: Gateway) -> MCPServer:
         body: dict[str, Any] = {"model": model, "input": input, "questions": questions}
         body.update({k: v for k, v in (("order", order), ("calibrate", calibrate)) if v is not None})
         try:
-            response = await gateway.answer_openai(body, caller)
+            response = await gateway.answer_openai(body, caller, request_type="mcp")
         except DecisionError as error:
             param = openai_param(error.path)
             raise ToolError(f"{error.code} ({error.status}){f' at {param}' if param else ''}: "
