@@ -97,6 +97,7 @@ def test_a_repeated_request_is_a_hit_with_a_byte_identical_answer(gw):
     first, second = post(gw, request), post(gw, request)
     assert first.headers["x-cache"] == "MISS" and second.headers["x-cache"] == "HIT"
     assert first.content == second.content
+    assert float(second.headers["x-decisiond-cost"]) == 0  # a hit calls no provider: it costs nothing
     # Key order and whitespace of the body do not matter.
     reordered = json.dumps(dict(reversed(list(request.items()))), indent=3).encode()
     third = httpx.post(gw.url + "/v1/decisions", content=reordered, timeout=60,

@@ -750,6 +750,9 @@ def test_a_client_that_leaves_mid_stream_frees_what_its_request_held_and_is_reco
             assert "Hel" in first  # the upstream still holds the rest back; the client leaves now
         left = audit_rows(accounted, 1, key=key["id"])
         assert len(left) == 1 and (left[0]["status"], left[0]["error_code"]) == (499, "client_closed_request")
+        # What was relayed before it left is charged, counted by decisiond (the usage never came): "Hel" out.
+        assert left[0]["estimated"] and left[0]["output_tokens"] == 1 and left[0]["input_tokens"] == 3
+        assert left[0]["cost"] == pytest.approx(chat_cost(3, 1))
     finally:
         ups["CHAT"].release.set()
     client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)

@@ -137,6 +137,7 @@ async def attempt(request: ChatRequest, target: Target, deadline: float | None =
             if request.relay.started.is_set():
                 request.partial = _result(request, stream, response.status_code, None)
             raise
+        request.relay.close()  # the answer has passed (or broken off): the client's response ends now
     finally:
         await response.aclose()
     return _result(request, stream, response.status_code, failure)

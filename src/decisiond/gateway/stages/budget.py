@@ -332,15 +332,19 @@ class BudgetStage:
                                   code="budget_unavailable", headers={"retry-after": "5"}) from None
             context.outcomes[self.name] = "unchecked: database unavailable"
             return await call_next(context, request)
-        actual = 0
         try:
-            result = await call_next(context, request)
-            actual = to_nano(context.cost or 0.0)
-            return result
+            return await call_next(context, request)
         finally:
-            try:
-                await asyncio.wait_for(store.settle(reservation, actual), BUDGET_DB_TIMEOUT_S)
-            except Exception as error:
-                log.error("budget not settled: the database is unavailable; the reservation holds until the "
-                          "period ends", extra={"request_id": context.request_id, "cost_nanousd": actual,
-                                                "error": f"{type(error).__name__}: {error}"[:300]})
+            # What it cost: its answer's price, what a stream relayed before its client left, 0 for a failure.
+            # Shielded: a client that leaves while its request settles must not cancel the settlement.
+            actual = to_nano(context.cost or 0.0)
+            await asyncio.shield(self._settle(store, reservation, actual, context.request_id))
+
+    @staticmethod
+    async def _settle(store: BudgetStore, reservation: Reservation, actual: int, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(store.settle(reservation, actual), BUDGET_DB_TIMEOUT_S)
+        except Exception as error:
+            log.error("budget not settled: the database is unavailable; the reservation is released after its time "
+                      "to live", extra={"request_id": request_id, "cost_nanousd": actual,
+                                        "error": f"{type(error).__name__}: {error}"[:300]})
