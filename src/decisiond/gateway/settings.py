@@ -349,7 +349,7 @@ class GatewayConfig(BaseModel):
     # Whether /openapi.json, /docs and /redoc answer without a key when keys are configured.
     public_docs: bool = False
     # Host names (besides loopback names and the address it serves on) a server without keys answers to: the
-    # Host header of every request must name one, so that DNS rebinding cannot reach an open server.
+    # Host header of every request must name one, so that DNS rebinding cannot reach an open server ("*": any).
     allowed_hosts: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

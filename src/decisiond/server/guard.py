@@ -4,8 +4,9 @@
   the config says ``public_docs: true``: the schema names every route and model option.
 - **A server without keys is not a web page's to spend.** With no key configured (the out-of-the-box local server),
   every request's ``Host`` must name the server — a loopback name (``localhost``, ``127.0.0.1``, ``[::1]``), the
-  address it serves on, or a configured ``allowed_hosts`` entry — so that a page whose DNS name was rebound to this
-  machine cannot reach it; and a request that carries an ``Origin`` must come from this same host (the playground
+  address it serves on, or a configured ``allowed_hosts`` entry (``"*"``: any, for an operator who opened a
+  keyless server to a network on purpose) — so that a page whose DNS name was rebound to this machine cannot reach
+  it; and a request that carries an ``Origin`` must come from this same host (the playground
   does), so that a page on another origin cannot POST to it (not even a multipart form, which needs no preflight).
   Bodies of other types (``text/plain``, URL-encoded forms) are refused by their Content-Type (``payload``).
 
@@ -75,7 +76,7 @@ class AccessGuard:
     def _same_site(headers: Headers, allowed: list[str], served: str | None) -> None:
         host = host_name(headers.get("host", ""))
         known = {h.lower() for h in allowed} | ({served.lower()} if served else set())
-        if not (_loopback(host) or host in known):
+        if not (_loopback(host) or host in known or "*" in known):
             raise PermissionDenied(f"this server answers to its own host names, not {host[:100]!r} (add it to "
                                    "allowed_hosts, or configure keys)", code="host_not_allowed")
         origin = headers.get("origin")
