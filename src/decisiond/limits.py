@@ -96,6 +96,8 @@ CACHE_MAX_BYTES = 64 * 1024 * 1024
 # line, kept to read the usage from (a larger one passes through uncounted, logged).
 CHAT_RELAY_CHUNKS = 16
 CHAT_USAGE_SCAN_BYTES = 16 * 1024 * 1024
+# Of an upstream's error answer, at most this much is read for its message (the rest is drained unread).
+UPSTREAM_ERROR_BODY_BYTES = 64 * 1024
 # A decision_judge guardrail reads the request's texts joined into one document of at most this many characters; a
 # longer one is not judged in part: the guardrail fails, and its fail_mode decides (closed: blocked).
 GUARDRAIL_JUDGE_MAX_CHARS = 64 * 1024

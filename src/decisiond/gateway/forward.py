@@ -24,7 +24,7 @@ import httpx
 
 from ..canonical import Usage
 from ..errors import DecisionError, ServerError, Timeout, provider_error, retry_headers
-from ..limits import CHAT_USAGE_SCAN_BYTES
+from ..limits import CHAT_USAGE_SCAN_BYTES, UPSTREAM_ERROR_BODY_BYTES
 from .catalog import Target
 from .chat import ChatRequest, ChatResult, ChatStream
 from .providers.base import error_message
@@ -95,7 +95,7 @@ async def _chunks(provider: OpenAIProvider, response: httpx.Response, deadline: 
 async def _refusal(provider: OpenAIProvider, response: httpx.Response, deadline: float | None) -> DecisionError:
     body = bytearray()
     async for chunk in _chunks(provider, response, deadline):
-        body += chunk[: max(0, 64 * 1024 - len(body))]
+        body += chunk[: max(0, UPSTREAM_ERROR_BODY_BYTES - len(body))]
     text = bytes(body).decode(errors="replace")
     try:
         json.loads(text)
