@@ -133,6 +133,13 @@ class UsageWriter:
         self.buffer.append(row)
         self._wake.set()
 
+    def _scan_due(self) -> bool:
+        """Whether to look for dead processes' journals now: at start (even when already stopping), then every
+        USAGE_ORPHAN_SCAN_S while running."""
+        if self.journal is None or time.monotonic() < self._scan_at:
+            return False
+        return self._scan_at == 0.0 or not self._stop.is_set()
+
     def _pending(self) -> bool:
         journal = self.journal
         return bool(self.buffer) or (journal is not None and bool(journal.pending or journal.sealed()))
@@ -140,8 +147,7 @@ class UsageWriter:
     async def _run(self) -> None:
         pause = 0.25
         while True:
-            due = self.journal is not None and time.monotonic() >= self._scan_at and not self._stop.is_set()
-            if not self._pending() and not due:
+            if not self._pending() and not self._scan_due():
                 if self._stop.is_set():
                     return
                 self._wake.clear()
@@ -171,7 +177,7 @@ class UsageWriter:
             for segment in journal.sealed():
                 await self._write_rows(read_segment(segment))
                 journal.done(segment)
-            if time.monotonic() >= self._scan_at and not self._stop.is_set():
+            if self._scan_due():
                 await self._replay_orphans(journal)
                 self._scan_at = time.monotonic() + USAGE_ORPHAN_SCAN_S
         while self.buffer:
