@@ -73,9 +73,10 @@ REQUEST_TEMPLATE_BUDGET_S = 15.0  # all renders of one request together (one per
 REQUEST_TEMPLATE_MEMORY_BYTES = 512 * 1024 * 1024
 REQUEST_TEMPLATE_MAX_OUTPUT = 1024 * 1024
 
-# Usage records: at most this many wait in memory for the database (beyond, they are dropped, counted and logged),
-# written this many a transaction; a failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean
-# stop keeps trying to flush for USAGE_FLUSH_TIMEOUT_S; retention is enforced every USAGE_PURGE_INTERVAL_S.
+# Usage records (``gateway.usage_writer``): journaled on disk; only when the journal's disk refuses them do they wait
+# in memory, at most this many (beyond, they are dropped, counted and logged); written this many a transaction; a
+# failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean stop keeps trying to flush for
+# USAGE_FLUSH_TIMEOUT_S (what is left stays in the journal); retention is enforced every USAGE_PURGE_INTERVAL_S.
 USAGE_QUEUE_MAX = 100_000
 USAGE_BATCH = 500
 USAGE_RETRY_MAX_S = 5.0

@@ -231,10 +231,10 @@ class Gateway:
 
     def record(self, request_type: str, context: Context, status: int, error_code: str | None, result: Any,
                document: Any, body: Any, guardrail: str | None = None) -> None:
-        """Hand one request's usage record to the background writer (never waits, never fails the request; a no-op
-        without a database). ``request_type``: one of ``usage.REQUEST_TYPES``; ``document`` and ``body``: the
-        request and response bodies, kept (redacted) only with ``audit.log_bodies``; ``guardrail``: the guardrail
-        a judge call was made for."""
+        """Journal one request's usage record for the background writer, before its response leaves (never waits,
+        never fails the request; a no-op without a database). ``request_type``: one of ``usage.REQUEST_TYPES``;
+        ``document`` and ``body``: the request and response bodies, kept (redacted) only with
+        ``audit.log_bodies``; ``guardrail``: the guardrail a judge call was made for."""
         if self.usage is None:
             return
         answered = isinstance(result, (DecisionResult, ChatResult))

@@ -353,7 +353,7 @@ class GatewayConfig(BaseModel):
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
     budgets: list[BudgetConfig] = Field(default_factory=list)
     # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
-    # their usage rows wait in the writer's queue) or refused with 503 ("refuse").
+    # their usage rows wait in the usage journal) or refused with 503 ("refuse").
     budgets_when_database_down: Literal["admit", "refuse"] = "admit"
     # Seconds after which a budget reservation that was never settled (its replica crashed) is released.
     budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, gt=0)
