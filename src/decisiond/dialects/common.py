@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..errors import DecisionError, InvalidRequest, Path, ProviderError, invalid
 from ..limits import JSON, MAX_DOCUMENT_DEPTH
 
-
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
