@@ -198,18 +198,18 @@ def test_one_bad_record_in_a_batch_is_isolated_on_postgresql(postgres_url, tmp_p
         for i in range(40):
             fields = {"input_tokens": 2**40} if i == 17 else {"guardrail": "g" * 500, "model": "x" * 400} \
                 if i == 3 else {}
-            writer.submit(record(f"req_{i}", **fields))
+            writer.submit(record(f"batch_{i}", **fields))
         writer.start()  # one batch: every record is journaled before the writer runs
         await writer.aclose()
-        rows = await rows_of(db)
+        rows = [r for r in await rows_of(db) if r.request_id.startswith("batch_")]  # (the database is shared)
         await db.aclose()
-        assert sorted(r.request_id for r in rows) == sorted(f"req_{i}" for i in range(40) if i != 17)
-        long = next(r for r in rows if r.request_id == "req_3")
+        assert sorted(r.request_id for r in rows) == sorted(f"batch_{i}" for i in range(40) if i != 17)
+        long = next(r for r in rows if r.request_id == "batch_3")
         assert len(long.guardrail) == 200 and long.guardrail.endswith(USAGE_CUT_MARKER)
         assert len(long.model) == 256 and long.model.endswith(USAGE_CUT_MARKER)
         assert writer.dead_letters == 1 and writer.written == 39
         (letter,) = (tmp_path / "journal" / "dead-letter.jsonl").read_text().splitlines()
-        assert json.loads(letter)["record"]["request_id"] == "req_17"
+        assert json.loads(letter)["record"]["request_id"] == "batch_17"
 
     asyncio.run(main())
 

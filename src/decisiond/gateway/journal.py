@@ -37,6 +37,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from ..store.db import data_directory, sqlite_file
+from ..store.db import database_url as store_url
 
 log = logging.getLogger("decisiond.usage")
 
@@ -50,7 +51,7 @@ def default_directory(database_url: str | None) -> Path:
     path = sqlite_file(database_url)
     if path is not None:
         return path.with_name(path.name + ".usage-journal")
-    name = make_url(database_url or "sqlite://").render_as_string(hide_password=True)
+    name = make_url(store_url(database_url)).render_as_string(hide_password=True)  # postgres:// = postgresql://
     return data_directory() / "usage-journal" / hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
@@ -172,7 +173,9 @@ class Journal:
 
     def append(self, row: dict[str, Any]) -> None:
         """Append one record; it survives the process from the moment this returns. ``OSError`` when the disk
-        refuses (full, gone)."""
+        refuses (full, gone), or once the journal is closed."""
+        if self._fd < 0:
+            raise OSError("the usage journal is closed")
         data = memoryview(encode_row(row))
         while data:
             written = os.write(self._fd, data)
@@ -234,6 +237,7 @@ class Journal:
         """Stop appending. Without records left, the files go; with some (the database was down), they stay, to be
         replayed by the next process that opens this directory."""
         os.close(self._fd)
+        self._fd = -1
         if self._count == 0:
             self._segment(self._number).unlink(missing_ok=True)
         else:
