@@ -244,6 +244,14 @@ _CREDENTIALS = re.compile(
 REDACTED = "[redacted]"
 
 
+def one_line(error: BaseException) -> str:
+    """An error as one line for a log or a refusal: its type and its message's first line (the driver's own error
+    where a library wraps one in ``orig``, as SQLAlchemy does), credentials cut out."""
+    inner = getattr(error, "orig", None) or error
+    first = (str(inner).strip().splitlines() or [""])[0]
+    return scrub(f"{type(inner).__name__}: {first}"[:300])
+
+
 def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
     """``text`` without the given secrets and without anything that looks like a credential."""
     for secret in secrets:

@@ -73,14 +73,22 @@ REQUEST_TEMPLATE_BUDGET_S = 15.0  # all renders of one request together (one per
 REQUEST_TEMPLATE_MEMORY_BYTES = 512 * 1024 * 1024
 REQUEST_TEMPLATE_MAX_OUTPUT = 1024 * 1024
 
-# Usage records: at most this many wait in memory for the database (beyond, they are dropped, counted and logged),
-# written this many a transaction; a failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean
-# stop keeps trying to flush for USAGE_FLUSH_TIMEOUT_S; retention is enforced every USAGE_PURGE_INTERVAL_S.
+# Usage records (``gateway.usage_writer``): journaled on disk; only when the journal's disk refuses them do they wait
+# in memory, at most this many (beyond, they are dropped, counted and logged); written this many a transaction; a
+# failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean stop keeps trying to flush for
+# USAGE_FLUSH_TIMEOUT_S (what is left stays in the journal); retention is enforced every USAGE_PURGE_INTERVAL_S.
 USAGE_QUEUE_MAX = 100_000
 USAGE_BATCH = 500
 USAGE_RETRY_MAX_S = 5.0
 USAGE_FLUSH_TIMEOUT_S = 15.0
 USAGE_PURGE_INTERVAL_S = 3600.0
+# The usage journal (``gateway.journal``): other processes' journals on the same directory are looked at this often
+# (a replica that died on this host has its records written by a live one); a string longer than its column is cut
+# to the column's size, ending in this marker.
+USAGE_ORPHAN_SCAN_S = 60.0
+USAGE_CUT_MARKER = "…[cut]"
+# Seconds to connect to PostgreSQL (start-up fails with one line after that; later, a write is retried).
+DATABASE_CONNECT_TIMEOUT_S = 10.0
 # Budgets: the list is re-read from the database this often (a change on another replica is seen within it); a
 # reservation or settlement waits at most BUDGET_DB_TIMEOUT_S for the database.
 BUDGET_CACHE_S = 2.0

@@ -9,19 +9,25 @@ import os
 import time
 import uuid
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
 from ..dialects import openai as openai_dialect
-from ..errors import DecisionError, ProviderError, ServerError
+from ..errors import DecisionError, ProviderError, ServerError, one_line
 from ..store.db import Database
 from ..store.keys import KeyStore
 from . import pricing
 from .catalog import Target
 from .chat import ChatRequest, ChatResult
+from .config import ConfigError
+from .journal import Journal, default_directory
 from .pipeline import Pipeline
 from .router import Router
-from .settings import GatewayConfig, GuardrailConfig
+from .settings import GatewayConfig, GuardrailConfig, check_redis_url
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
 from .stages.auth import Authenticator
@@ -32,13 +38,24 @@ from .stages.ratelimit import RateLimiter, RateLimitStage
 from .stages.request_limits import RequestLimits
 from .stages.resolve import ResolveModel
 from .types import Caller, Context, Stage
-from .usage import UsageRecord, UsageWriter, redact
+from .usage import UsageRecord, redact
+from .usage_writer import UsageWriter
 
 log = logging.getLogger("decisiond.gateway")
 
 MASTER_KEY_ENV = "DECISIOND_MASTER_KEY"
 DATABASE_URL_ENV = "DECISIOND_DATABASE_URL"
 REDIS_URL_ENV = "DECISIOND_REDIS_URL"
+USAGE_JOURNAL_ENV = "DECISIOND_USAGE_JOURNAL"
+
+
+def _setting(value: str | None, name: str, env: str) -> tuple[str | None, str]:
+    """A setting from the config, else from its environment variable: its value, and the name a refusal gives it."""
+    if value:
+        return value, name
+    if os.environ.get(env):
+        return os.environ[env], env
+    return None, name
 
 
 class Gateway:
@@ -46,8 +63,12 @@ class Gateway:
         config = config or GatewayConfig()
         self.router = router
         self.master_key = config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or None
-        self.database_url = config.database_url or os.environ.get(DATABASE_URL_ENV) or None
-        redis_url = config.redis_url or os.environ.get(REDIS_URL_ENV) or None
+        self.database_url, self._database_setting = _setting(config.database_url, "database_url", DATABASE_URL_ENV)
+        redis_url, redis_setting = _setting(config.redis_url, "redis_url", REDIS_URL_ENV)
+        try:
+            check_redis_url(redis_url)
+        except ValueError as error:
+            raise ConfigError(f"{redis_setting}: {error}") from None
         self.auth = Authenticator(self.master_key, config.auth.keys)
         self.limiter = RateLimiter(
             redis_url, config.rate_limits,
@@ -63,6 +84,7 @@ class Gateway:
                       **{v.name: v.guardrails for v in config.virtual_models if v.guardrails}})
         self.budgets: BudgetStore | None = None
         self.usage: UsageWriter | None = None
+        self._started = self._closed = False
         self.cache = ResponseCache(config.cache)
         # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
@@ -88,14 +110,21 @@ class Gateway:
         return self.master_key is not None or self.database_url is not None or bool(self.config.budgets)
 
     async def start(self) -> None:
+        """Open the database (migrated) and the usage journal. A setting that cannot work raises ``ConfigError``
+        naming it and the cause in one line (``decisiond serve`` starts the gateway before it serves, and exits 2 on
+        it); a second call does nothing (the app's lifespan starts it too)."""
+        if self._started:
+            return
+        self._started = True
         if self.needs_database:
-            self.db = await Database.open(self.database_url)
+            self.db = await _open_database(self.database_url, self._database_setting)
+            journal = _open_journal(self.config.usage_journal, self.database_url)
             self.keys = KeyStore(self.db)
             self.auth.store = self.keys
             self.budgets = BudgetStore(self.db, self.config.budget_reservation_ttl_s)
             for budget in self.config.budgets:
                 await self.budgets.put(budget, "config")
-            self.usage = UsageWriter(self.db, self.config.audit.retention_days)
+            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal)
             self.usage.start()
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
@@ -103,6 +132,9 @@ class Gateway:
                         f"and upstream key; set auth.master_key or {MASTER_KEY_ENV}")
 
     async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.usage is not None:
             await self.usage.aclose()  # flush usage records before the database closes
         await self.router.aclose()
@@ -199,10 +231,10 @@ class Gateway:
 
     def record(self, request_type: str, context: Context, status: int, error_code: str | None, result: Any,
                document: Any, body: Any, guardrail: str | None = None) -> None:
-        """Hand one request's usage record to the background writer (never waits, never fails the request; a no-op
-        without a database). ``request_type``: one of ``usage.REQUEST_TYPES``; ``document`` and ``body``: the
-        request and response bodies, kept (redacted) only with ``audit.log_bodies``; ``guardrail``: the guardrail
-        a judge call was made for."""
+        """Journal one request's usage record for the background writer, before its response leaves (never waits,
+        never fails the request; a no-op without a database). ``request_type``: one of ``usage.REQUEST_TYPES``;
+        ``document`` and ``body``: the request and response bodies, kept (redacted) only with
+        ``audit.log_bodies``; ``guardrail``: the guardrail a judge call was made for."""
         if self.usage is None:
             return
         answered = isinstance(result, (DecisionResult, ChatResult))
@@ -230,6 +262,26 @@ class Gateway:
                 response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
+
+
+async def _open_database(url: str | None, setting: str) -> Database:
+    try:
+        return await Database.open(url)
+    except (ValueError, ArgumentError) as error:  # a URL decisiond cannot use
+        raise ConfigError(f"{setting}: {error}") from None
+    except Exception as error:  # unreachable, refused, no such database, not migratable
+        shown = make_url(url).render_as_string(hide_password=True) if url else "the default SQLite file"
+        raise ConfigError(f"{setting}: cannot open {shown}: {one_line(error)}") from None
+
+
+def _open_journal(configured: str | None, database_url: str | None) -> Journal:
+    directory, setting = _setting(configured, "usage_journal", USAGE_JOURNAL_ENV)
+    path = Path(directory) if directory else default_directory(database_url)
+    try:
+        return Journal.open(path)
+    except OSError as error:
+        raise ConfigError(f"{setting}: cannot write the usage journal in {path}: "
+                          f"{error.strerror or one_line(error)}") from None
 
 
 def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[tuple[str, str], float]:

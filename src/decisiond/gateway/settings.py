@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    field_validator,
     model_validator,
 )
 
@@ -32,6 +33,20 @@ MAX_CHAIN_DEPTH = 8
 DEFAULT_DEADLINE = 9.5
 
 TYPESAFE_HOSTED = "https://api.typesafe.ai"
+# What the rate limiter (``limits``' Redis storage) and the cache (redis-py) can both connect to.
+REDIS_SCHEMES = ("redis", "rediss")
+
+
+def check_redis_url(url: str | None) -> str | None:
+    """A Redis URL is ``redis://`` or ``rediss://`` (``async+`` in front is taken too); else a ValueError naming the
+    scheme it has (never the URL, which may hold a password)."""
+    if not url:
+        return None
+    scheme, sep, _ = url.removeprefix("async+").partition("://")
+    if not sep or scheme.lower() not in REDIS_SCHEMES:
+        raise ValueError("a Redis URL must start with redis:// or rediss://, not "
+                         + (f"{scheme}://" if sep else "a name without a scheme"))
+    return url
 
 
 class Limits(BaseModel):
@@ -267,6 +282,8 @@ class CacheConfig(BaseModel):
     # Entries shared by several replicas (redis://…); in-process memory only when unset.
     redis_url: str | None = Field(default=None, repr=False)
 
+    _redis_url = field_validator("redis_url")(check_redis_url)
+
 
 class UserPathLimit(RateLimitConfig):
     """Limits shared by every caller whose user path is ``user_path`` or below it."""
@@ -323,6 +340,9 @@ class GatewayConfig(BaseModel):
     database_url: str | None = None
     # Shared rate-limit counters for several replicas; in-process memory when unset.
     redis_url: str | None = None
+    # The directory of the usage journal (``gateway.journal``): by default beside the SQLite file, else in the data
+    # directory (one per database). A local disk: records wait there until the database has them.
+    usage_journal: str | None = None
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
@@ -333,7 +353,7 @@ class GatewayConfig(BaseModel):
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
     budgets: list[BudgetConfig] = Field(default_factory=list)
     # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
-    # their usage rows wait in the writer's queue) or refused with 503 ("refuse").
+    # their usage rows wait in the usage journal) or refused with 503 ("refuse").
     budgets_when_database_down: Literal["admit", "refuse"] = "admit"
     # Seconds after which a budget reservation that was never settled (its replica crashed) is released.
     budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, gt=0)
@@ -351,6 +371,8 @@ class GatewayConfig(BaseModel):
     # Host names (besides loopback names and the address it serves on) a server without keys answers to: the
     # Host header of every request must name one, so that DNS rebinding cannot reach an open server ("*": any).
     allowed_hosts: list[str] = Field(default_factory=list)
+
+    _redis_url = field_validator("redis_url")(check_redis_url)
 
     @model_validator(mode="after")
     def _consistent(self) -> "GatewayConfig":

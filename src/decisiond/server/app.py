@@ -34,8 +34,9 @@ class Settings:
 
 def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
     gateway = gateway or Gateway(router)
+    settings = settings or Settings()
     mcp = mcp_server.build(gateway)
-    mcp_endpoint = mcp_server.http_endpoint(mcp, gateway)
+    mcp_endpoint = mcp_server.http_endpoint(mcp, gateway, settings.max_body_bytes, settings.body_read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -49,8 +50,8 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app = FastAPI(title="decisiond", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.state.gateway = gateway
-    app.state.settings = settings or Settings()
-    app.state.metrics = metrics = Metrics(router)
+    app.state.settings = settings
+    app.state.metrics = metrics = Metrics(router, gateway)
     app.add_middleware(AccessGuard)  # innermost of the three: its refusals are counted and logged
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
     app.add_middleware(RequestContext)

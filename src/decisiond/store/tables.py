@@ -42,9 +42,13 @@ class UsageRow(Base):
     __tablename__ = "usage"
     __table_args__ = (Index("ix_usage_time", "time"), Index("ix_usage_key_time", "key_id", "time"),
                       Index("ix_usage_type_time", "request_type", "time"),
-                      Index("ix_usage_request_id", "request_id"))
+                      Index("ix_usage_request_id", "request_id"),
+                      Index("ux_usage_record_id", "record_id", unique=True))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # Unique per record (several rows may share a request id): a replayed journal inserts each record once.
+    # NULL on rows written before migration 0005.
+    record_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     day: Mapped[str] = mapped_column(String(10))
     request_id: Mapped[str] = mapped_column(String(64))
