@@ -232,6 +232,11 @@ def test_a_judge_is_charged_to_its_own_path_and_stops_at_its_budget(single):
     with pytest.raises(openai.BadRequestError) as e:  # the judge's budget is spent: it fails closed
         client.decisions.create(model="judged", input="hello again", questions=question)
     assert e.value.code == "guardrail_blocked" and "budget" in e.value.message
-    rows = httpx.get(single.url + "/admin/audit", headers=ADMIN,
-                     params={"request_type": "guardrail", "user_path": "/guardrails/j"}).json()["data"]
+    deadline = time.monotonic() + 20  # rows reach the database in batches, a moment after their requests
+    while True:
+        rows = httpx.get(single.url + "/admin/audit", headers=ADMIN,
+                         params={"request_type": "guardrail", "user_path": "/guardrails/j"}).json()["data"]
+        if len(rows) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert sorted((r["status"], round(r["cost"], 6)) for r in rows) == [(200, 0.01), (402, 0.0)]
