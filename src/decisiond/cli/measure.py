@@ -94,7 +94,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Accuracy, log loss, Brier, ECE per mode side by side with bootstrap intervals; JSON report and reliability
     diagram."""
     # Lazy: the evaluation brings numpy and pydantic, its diagram matplotlib (start-up time).
-    from .. import evaluation
+    from .. import evaluation, evaluation_report
 
     if args.cascade is not None:
         return _eval_cascade(args)
@@ -104,8 +104,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    evaluation.plot(report, out / "reliability.png")
-    print(evaluation.table(report))
+    evaluation_report.plot(report, out / "reliability.png")
+    print(evaluation_report.table(report))
     print(f"\nbest mode: {report['best_mode']}; wrote {out / 'report.json'} and {out / 'reliability.png'}",
           file=sys.stderr)
     return 0
@@ -166,12 +166,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for kind, row in summary["kinds"].items():
         if row["kept_base"]:
             print(f"{kind}: {row['questions']} questions, kept the base mode {mode}: no fit beat it in "
-                  f"cross-validated log loss ({row['cv_log_loss_base']:.3f})")
+                  f"cross-validated log loss ({row['cv_log_loss_base']:.3f}) by more than the spread of its gain "
+                  f"across folds")
         else:
             print(f"{kind}: {row['questions']} questions, {mode}+fit with L2 strength {row['strength']:g} "
                   f"(chosen by {FOLDS}-fold CV), temperature {row['temperature']:.3f}"
                   + (f", bias {[round(b, 3) for b in row['bias']]}" if row["bias"] else "")
-                  + f", cross-validated log loss {row['cv_log_loss_base']:.3f} -> {row['cv_log_loss']:.3f}")
+                  + f", cross-validated log loss {row['cv_log_loss_base']:.3f} -> {row['cv_log_loss']:.3f} "
+                  f"(gain standard error {row['cv_gain_se']:.3f})")
     print(f"wrote {args.out}; serve with: decisiond serve --model {args.model} --calibration {args.out} "
           f"(it applies order {profile.order}, calibrate {profile.calibrate} and the fits)", file=sys.stderr)
     return 0
