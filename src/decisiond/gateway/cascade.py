@@ -7,8 +7,8 @@ request's order.
   step returned, so after the model's calibration profile where it has one. A refusal has none (0): it escalates
   under any threshold above 0. Threshold 0 never escalates; a threshold above 1 always does.
 - **Steps**: each step is a model name (a model, a raw upstream or a failover virtual model), answered by the
-  router's own rules — skips and failover within the step, the cascade's deadline over all of them. A step that no
-  target of which can serve the (partial) request is skipped: its questions go on to the next step.
+  router's own rules — skips and failover within the step, the cascade's deadline over all of them. A step none of
+  whose targets can serve the (partial) request is skipped: its questions go on to the next step.
 - **Calls**: every call is reported as a ``Step`` (even one that failed), so that the gateway prices each by the
   target that answered it and writes one usage row per call; the answer's usage is their sum.
 """
