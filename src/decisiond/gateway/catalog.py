@@ -30,8 +30,9 @@ from .config import ConfigError
 from .pricing import Pricing
 from .providers import build
 from .providers.base import Provider
-from .settings import GatewayConfig, ModelConfig, ProviderConfig, VirtualModelConfig
+from .settings import GatewayConfig, ModelConfig, ProviderConfig
 from .sizes import check_provider
+from .virtual import VirtualModelConfig
 
 DEFAULT_ALIAS = "default"
 C = TypeVar("C", bound="Catalog")
@@ -232,6 +233,12 @@ class Catalog:
             return [t for target in self.virtual[canonical].targets for t in self.chain(target)]
         target = self._target(name, raw=True)
         return [target] if target is not None else []
+
+    def cascade_steps(self, name: str) -> list[str] | None:
+        """The steps of the cascade ``name`` (canonical) stands for, or None when it is not a cascade. (Its
+        ``chain`` is every step's targets in turn: each may answer, and each one's policy applies.)"""
+        virtual = self.virtual.get(name)
+        return list(virtual.targets) if virtual is not None and virtual.strategy == "cascade" else None
 
     def first_target(self, request: DecisionRequest, name: str) -> Target | None:
         """The target that will answer ``request`` when nothing fails: the first of the chain that can serve it."""

@@ -13,18 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any, AsyncContextManager, Callable, Coroutine
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..errors import DecisionError, InvalidRequest, NotFound, ProviderError, provider_error
+from . import cascade
+from .cascade import Step
 from .catalog import Catalog, Target
 from .chat import ChatRequest, ChatResult
 from .forward import attempt
 from .providers.base import Provider
 from .result_check import check_result
-from .settings import DEFAULT_DEADLINE, GatewayConfig, VirtualModelConfig
+from .settings import DEFAULT_DEADLINE, GatewayConfig
+from .virtual import VirtualModelConfig
 
 log = logging.getLogger("decisiond.gateway")
 
@@ -36,6 +40,10 @@ Gate = Callable[["Target"], AsyncContextManager[Any]]
 
 def _open_gate(target: "Target") -> AsyncContextManager[Any]:
     return contextlib.nullcontext()
+
+
+def _unreported(step: Step) -> None:
+    return None
 
 
 class Observer:
@@ -68,14 +76,19 @@ class Router(Catalog):
 
     # -------------------------------------------------------------------------------- answering
 
-    async def decide(self, request: DecisionRequest, name: str, gate: Gate = _open_gate) -> DecisionResult:
+    async def decide(self, request: DecisionRequest, name: str, gate: Gate = _open_gate,
+                     report: Callable[[Step], None] | None = None, ends: float | None = None) -> DecisionResult:
         """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for. OpenAI's limits
-        were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here."""
+        were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here. A cascade
+        (``gateway.cascade``) tells ``report`` of each call it makes; ``ends``: an outer deadline
+        (``time.monotonic()``), a cascade's over its steps."""
         skipped: list[DecisionError] = []
         failure: ProviderError | None = None
         virtual = self.virtual.get(name)
         budget = virtual.deadline if virtual is not None and virtual.deadline is not None else self.deadline
-        ends = time.monotonic() + budget
+        ends = min(time.monotonic() + budget, ends if ends is not None else math.inf)
+        if virtual is not None and virtual.strategy == "cascade":
+            return await self._cascade(request, virtual, gate, report or _unreported, ends)
         for target in self.chain(name):
             reason = target.unsupported(request)
             if reason is not None:
@@ -115,6 +128,14 @@ class Router(Catalog):
         raise skipped[0] if len(skipped) == 1 or name not in self.virtual else InvalidRequest(
             f"no target of {name!r} can answer this request: " + "; ".join(s.message for s in skipped),
             skipped[0].path, code=skipped[0].code)
+
+    async def _cascade(self, request: DecisionRequest, virtual: VirtualModelConfig, gate: Gate,
+                       report: Callable[[Step], None], ends: float) -> DecisionResult:
+        async def ask(asked: DecisionRequest, step: str, step_gate: Gate) -> DecisionResult:
+            return await self.decide(asked, self.canonical(step) or step, step_gate, ends=ends)
+
+        return await cascade.run(request, virtual.targets, virtual.thresholds, ask,
+                                 lambda asked, step: self.first_target(asked, step) is not None, gate, report)
 
     def resolve_chat(self, name: str) -> str:
         """The canonical model for chat traffic (no default, no lenient fallback): 404 for a name that names nothing

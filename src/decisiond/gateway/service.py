@@ -4,7 +4,9 @@ and the pipeline of stages in their one fixed order."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import os
 import time
 import uuid
@@ -21,6 +23,7 @@ from ..errors import DecisionError, ProviderError, ServerError, one_line
 from ..store.db import Database
 from ..store.keys import KeyStore
 from . import pricing
+from .cascade import ESCALATED_HEADER, Step, escalated
 from .catalog import Target
 from .chat import ChatRequest, ChatResult
 from .config import ConfigError
@@ -37,7 +40,7 @@ from .stages.guardrails import GuardrailSet, GuardrailStage, judge_question
 from .stages.ratelimit import RateLimiter, RateLimitStage
 from .stages.request_limits import RequestLimits
 from .stages.resolve import ResolveModel
-from .types import Caller, Context, Stage
+from .types import Call, Caller, Context, Stage
 from .usage import UsageRecord, redact
 from .usage_writer import UsageWriter
 
@@ -195,8 +198,13 @@ class Gateway:
             score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
             self._priced(context, tried, Usage(input_tokens=score.prompt_tokens), "local")
             return score
-        result: DecisionResult = await self.router.decide(request, context.resolved_model, gate)
-        self._priced(context, tried, result.usage, result.provider_format)
+        steps: list[Step] = []  # a cascade's calls, each priced by its own target
+        try:
+            result: DecisionResult = await self.router.decide(request, context.resolved_model, gate, steps.append)
+        finally:
+            _cascaded(context, steps, len(request.questions))
+        if not steps:
+            self._priced(context, tried, result.usage, result.provider_format)
         return result
 
     async def answer_openai(self, body: Any, caller: Caller | None = None, request_id: str | None = None,
@@ -236,6 +244,14 @@ class Gateway:
         ``document`` and ``body``: the request and response bodies, kept (redacted) only with
         ``audit.log_bodies``; ``guardrail``: the guardrail a judge call was made for."""
         if self.usage is None:
+            return
+        if len(context.calls) > 1:  # a cascade's calls: one row each, under the request's id (bodies on the first)
+            for n, call in enumerate(context.calls):
+                part = dataclasses.replace(context, calls=[], targets_tried=call.targets_tried,
+                                           answered_by=call.answered_by, cost=call.cost)
+                answer = DecisionResult(call.model or "", [], call.usage) if call.usage is not None else None
+                self.record(request_type, part, status, error_code, answer, document if n == 0 else None,
+                            body if n == 0 else None, guardrail)
             return
         answered = isinstance(result, (DecisionResult, ChatResult))
         usage = result.usage if answered else None
@@ -289,6 +305,22 @@ def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[
     target's price."""
     target = tried[-1]
     return (target.provider.name, target.name), pricing.cost(target.price, usage, provider_format)
+
+
+def _cascaded(context: Context, steps: list[Step], questions: int) -> None:
+    """A cascade's calls (``gateway.cascade``) on the context: its cost (their sum, also when a later call failed),
+    the target of its last answer, ``x-decisiond-escalated`` and one ``Call`` per usage row."""
+    if not steps:
+        return
+    context.calls = [Call([t.name for t in s.tried], _name(s.answered_by), s.result.usage if s.result else None,
+                          s.result.model if s.result else None, s.cost) for s in steps]
+    context.cost = math.fsum(call.cost for call in context.calls)
+    context.answered_by = next((c.answered_by for c in reversed(context.calls) if c.answered_by), None)
+    context.response_headers[ESCALATED_HEADER] = f"{escalated(steps)} of {questions}"
+
+
+def _name(target: Target | None) -> tuple[str, str] | None:
+    return (target.provider.name, target.name) if target is not None else None
 
 
 def _guardrail_summary(outcomes: dict[str, str]) -> str | None:

@@ -27,8 +27,8 @@ from ..limits import (
     DEFAULT_MAX_OUTPUT_TOKENS,
 )
 from .pricing import Pricing
+from .virtual import VirtualModelConfig, check_chains
 
-MAX_CHAIN_DEPTH = 8
 # Under the TypeSafe SDK's 10 s per call, so that its retry never races an attempt still running here.
 DEFAULT_DEADLINE = 9.5
 
@@ -219,26 +219,6 @@ class ModelConfig(BaseModel):
     cache: bool | None = None
 
 
-class VirtualModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    strategy: Literal["failover", "alias"] = "failover"
-    targets: list[str] = Field(min_length=1)
-    # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
-    deadline: float | None = Field(default=None, gt=0)
-    attempt_timeout: float | None = Field(default=None, gt=0)
-    guardrails: list[str] = Field(default_factory=list)
-    # Whether answers asked under this name are cached; None leaves it to the target that answers.
-    cache: bool | None = None
-
-    @model_validator(mode="after")
-    def _alias_has_one(self) -> "VirtualModelConfig":
-        if self.strategy == "alias" and len(self.targets) != 1:
-            raise ValueError(f"alias {self.name!r} must have exactly one target")
-        return self
-
-
 class StaticKeyConfig(BaseModel):
     """A key listed in the YAML: its secret from the environment (``key: ${ENV}``) or its SHA-256
     (``key_sha256: <hex>``), never stored in clear past start-up."""
@@ -397,28 +377,3 @@ class GatewayConfig(BaseModel):
             if unknown is not None:
                 raise ValueError(f"{owner} names unknown guardrail {unknown!r}")
         return self
-
-
-def known_model(config: GatewayConfig, name: str) -> bool:
-    if any(m.name == name for m in config.models) or any(v.name == name for v in config.virtual_models):
-        return True
-    provider, _, upstream = name.partition("/")
-    return bool(upstream) and any(p.name == provider for p in config.providers)
-
-
-def check_chains(config: GatewayConfig) -> None:
-    """Virtual models must name known models, form no cycle, and nest at most ``MAX_CHAIN_DEPTH`` deep."""
-    virtual = {v.name: v for v in config.virtual_models}
-
-    def depth(name: str, path: tuple[str, ...]) -> int:
-        if name in path:
-            raise ValueError(f"virtual models form a cycle: {' -> '.join(path + (name,))}")
-        if name not in virtual:
-            if not known_model(config, name):
-                raise ValueError(f"virtual model {path[-1]!r} names unknown model {name!r}")
-            return 0
-        return 1 + max(depth(t, path + (name,)) for t in virtual[name].targets)
-
-    for name in virtual:
-        if depth(name, ()) > MAX_CHAIN_DEPTH:
-            raise ValueError(f"virtual model {name!r} nests more than {MAX_CHAIN_DEPTH} levels deep")

@@ -3,7 +3,8 @@ or per ``period_seconds`` (windows aligned on the Unix epoch), held in the datab
 
 The ``BudgetStage`` runs after the rate limits and before the router. For every budget that applies to the
 request (a budget on a model applies to every request that model may answer, under any name) it *reserves* the
-most the request can cost: for the dearest target the model may route to, its input tokens (counted by the
+most the request can cost: for the dearest target the model may route to (for a cascade, the dearest of each step,
+summed), its input tokens (counted by the
 model's tokenizer when it runs here, else bounded by the request's bytes: ``sizes.max_input_tokens``) plus the
 output the request can still produce (its ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``,
 else the model's ``max_output_tokens``), priced by the same rules as the bill (``pricing.cost``). One conditional
@@ -298,10 +299,16 @@ class BudgetStage:
         self.when_down = when_down
 
     async def worst_case(self, context: Context, request: Any) -> int:
-        """The most ``request`` can cost on any target its model may route to (see the module docstring)."""
-        targets = self.router.chain(context.resolved_model) if context.resolved_model else []
+        """The most ``request`` can cost on any target its model may route to (see the module docstring); for a
+        cascade, every step's worst case summed (every question may escalate to the last step)."""
+        return await self._worst(context.resolved_model, request) if context.resolved_model else 0
+
+    async def _worst(self, name: str, request: Any) -> int:
+        steps = self.router.cascade_steps(name)
+        if steps is not None:  # a step asks a subset of the questions: the whole request bounds its cost
+            return sum([await self._worst(self.router.canonical(step) or step, request) for step in steps])
         worst = 0
-        for t in targets:
+        for t in self.router.chain(name):
             if t.price is None:
                 continue
             counted = await t.provider.input_tokens(request) if isinstance(request, DecisionRequest) else None
