@@ -120,6 +120,13 @@ class PrefixCache:
                 self._drop(next(iter(self._data)))
             return True
 
+    def make_room(self, nbytes: int) -> None:
+        """Evict least recently used entries until ``nbytes`` more fit the budget: called before a new block of KV
+        is allocated, so that the block being computed (cached when done) is within the budget already."""
+        with self._lock:
+            while self._data and self.bytes + nbytes > self.max_bytes:
+                self._drop(next(iter(self._data)))
+
     def _drop(self, key: tuple[int, ...]) -> None:
         _, _, parts = self._data.pop(key)
         for part, size in parts:

@@ -56,7 +56,7 @@ from .backends.base import Backend, Group, Scored, Steps, check_finite, stepwise
 log = logging.getLogger("decisiond.scheduler")
 
 DEFAULT_MAX_WAIT_S = 0.002
-# The longest a run waits for its next pass while runs with less work left go first.
+# The longest a run waits for its next pass while runs that have had less service go first.
 STARVE_S = 1.0
 # A large run takes passes of at most max_batch_tokens / CONTENDED_DIVISOR tokens (not under MIN_STEP_TOKENS) while
 # other runs are open or waiting: what they may have to wait for before their own pass; alone, passes of
@@ -64,7 +64,9 @@ STARVE_S = 1.0
 CONTENDED_DIVISOR = 8
 ALONE_DIVISOR = 2
 MIN_STEP_TOKENS = 128
-MAX_LARGE_RUNS = 2
+# Each open large run holds its document's KV besides the prefix cache's budget: one at a time keeps the server's
+# memory within the weights, the budget and one document (they take turns at the model anyway).
+MAX_LARGE_RUNS = 1
 # How long the work of a request whose callers have all gone goes on, waiting for a retry to join it (the TypeSafe
 # SDK retries a timed-out POST after about 0.5 s, then 1 s, with the same bytes).
 ABANDON_GRACE_S = 2.0

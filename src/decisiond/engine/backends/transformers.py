@@ -18,7 +18,7 @@ How a batch of requests (groups) is computed, top to bottom:
    Prefill chunks and passes take at most ``step_budget`` tokens, which the scheduler sets: ``max_batch_tokens``
    for small requests, an eighth of it for a large request while others wait (so that it can answer them between
    two short passes), half of it for a large request alone.
-2. **Run the rows** (tails packed to at most ``ROW_TOKENS``) in passes of at most ``step_budget`` padded tokens.
+2. **Run the rows** (tails packed to at most one pass) in passes of at most ``step_budget`` padded tokens.
    Rows of different groups have different pasts: each attention layer reads each row's past, padded to the
    longest one (``kv.PassCache``), and a 4-D mask lets each token see its own row's past and its own prompt's
    earlier tokens; explicit positions put every token at its place in its own prompt.
@@ -44,8 +44,8 @@ from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
 
-# Rows of question tails are packed to at most this many tokens, so that passes can be cut small (``step_budget``)
-# when other requests are waiting; uncontended, several rows still share one pass of ``max_batch_tokens``.
+# Rows of question tails are packed to at most one pass (``step_budget``) and at least this many tokens: passes are
+# cut small while other requests wait, and one row a pass then reads its document's KV once.
 ROW_TOKENS = 128
 
 
@@ -186,8 +186,10 @@ class TransformersBackend:
             own = yield from self._prefill(tuple(prompt[:-1]), past, k)
             plan.rows.append(RowWork(index, pack([prompt], skip=len(prompt) - 1), [i], own))
             plan.computed += len(prompt) - k
-        rows = split_rows([prompts[i] for i in short], min(ROW_TOKENS, self.max_batch_tokens), skip=k) \
-            if short else []
+        # Tails in rows of at most one pass (at least ROW_TOKENS): rows of one group share their past, which each row
+        # of a pass reads on its own.
+        width = min(max(ROW_TOKENS, self.step_budget), self.max_batch_tokens)
+        rows = split_rows([prompts[i] for i in short], width, skip=k) if short else []
         for members, row in rows:
             plan.rows.append(RowWork(index, row, [short[m] for m in members], past))
             plan.computed += len(row)
@@ -215,6 +217,7 @@ class TransformersBackend:
         """A block for ``new`` tokens after ``past``, and the pieces of ``past`` worth holding: the block's head is a
         copy of the others (``Chain.split_for_reuse``); ``block.filled`` tokens of it are the head."""
         kept, copied = past.split_for_reuse()
+        self.prefixes.make_room(self.geometry.bytes_per_token * (len(copied) + new))
         block = Block(self.geometry, len(copied) + new)
         block.copy_from(copied)
         return kept, block
