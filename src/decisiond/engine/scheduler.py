@@ -343,20 +343,27 @@ class Scheduler:
             self._running.append(Run(batch, stepwise(self.backend, [j.group for j in batch]), size))
 
     def _step(self, run: Run) -> None:
+        """One pass of ``run``; its last pass ends the steps with the answers (``base.Steps``), delivered at once."""
         started = time.monotonic()
         try:
             tokens = next(run.steps)
         except StopIteration as finished:
-            self._finish(run, finished.value)
+            scored = finished.value
+            if isinstance(scored, list):
+                self._count(sum(getattr(s, "computed_tokens", 0) for s in scored) - run.done, started)
+            self._finish(run, scored)
             return
         except BaseException as error:  # delivered to the callers; the worker lives on
             self._finish(run, error)
             return
-        elapsed = time.monotonic() - started
         run.done += tokens
         run.last = time.monotonic()
+        self._count(tokens, started)
+
+    def _count(self, tokens: int, started: float) -> None:
+        elapsed = time.monotonic() - started
         self.stats.steps += 1
-        if tokens and elapsed > 0:
+        if tokens > 0 and elapsed > 0:
             self.rate = 0.8 * self.rate + 0.2 * tokens / elapsed
 
     def _finish(self, run: Run, outcome: list[Scored] | BaseException) -> None:

@@ -139,17 +139,20 @@ class TransformersBackend:
                 logprobs[work.group].update(zip(work.members, values))
                 if work.keep is not None:
                     self.prefixes.put(work.keep[0], work.keep[1], work.keep[1].parts())
-            yield sum(len(w.row) for w in batch)
+            if rows:  # after the last pass: the answers, at once
+                yield sum(len(w.row) for w in batch)
         return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused)
                 for g, lp, plan in zip(groups, logprobs, plans)]
 
     def _one_by_one(self, groups: Sequence[Group]) -> Steps:
-        out = []
+        out, last = [], 0
         for g in groups:
             one_by_one = []
             for prompt, labels in zip(g.prompts, g.labels):
+                if last:  # the pass before this one (the last pass returns at once)
+                    yield last
                 one_by_one.append(self.reference(prompt, labels))
-                yield len(prompt)
+                last = len(prompt)
             out.append(Scored(one_by_one, sum(len(p) for p in g.prompts), 0))
         return out
 
