@@ -14,16 +14,11 @@ request with their label ids — and get a ``Ticket`` whose future yields the an
    the jobs queued behind it (waiting at most ``max_wait_s`` for more when it is idle): a *run*. The backend splits
    a run into forward passes within the same budget.
 3. **Interleaving.** Runs advance one forward pass at a time (``backend.steps``). The worker steps the run whose
-   requests have had the fewest tokens computed so far (least attained service, per request of the run) — unless a
-   run has waited ``STARVE_S`` for its next pass, which then goes first. A small request arriving behind a long
-   document is answered after a pass or two, and a long one still progresses under a stream of small ones; requests
-   of one size share the model evenly, so that under many clients none waits much longer than the others (least
-   work left first, as before, let the newest small requests overtake older ones again and again: 16 clients
-   saw p95 latencies of three times the median). A run larger than one pass goes in passes of an eighth of
-   ``max_batch_tokens`` while other runs are open or waiting (a backend with a ``step_budget``), so what a small
-   request waits for is one short pass; a run within one pass takes it whole (``_step_budget``).
-   Small runs are admitted at once; at most ``MAX_LARGE_RUNS`` runs larger than one pass are open together (each
-   holds the KV cache of its document).
+   requests have had the fewest tokens computed so far (least attained service) — unless a run has waited
+   ``STARVE_S`` for its next pass. A small request behind a long document is answered after a pass or two, a long
+   one still progresses under a stream of small ones, and requests of one size are served in turn (least work left
+   first let new small requests overtake older ones again and again: p95 three times p50 under 16 clients). Pass
+   sizes: ``_step_budget``. Small runs start at once, at most ``MAX_LARGE_RUNS`` larger ones at a time.
 4. **Cancellation.** A caller that gives up cancels its ticket's future (``asyncio`` does this when the HTTP
    handler is cancelled: client gone, deadline passed). A job whose callers have all gone is dropped while queued,
    and a run whose jobs have all gone is stopped between passes — after ``ABANDON_GRACE_S``, so that the retry of
@@ -58,14 +53,12 @@ log = logging.getLogger("decisiond.scheduler")
 DEFAULT_MAX_WAIT_S = 0.002
 # The longest a run waits for its next pass while runs that have had less service go first.
 STARVE_S = 1.0
-# A large run takes passes of at most max_batch_tokens / CONTENDED_DIVISOR tokens (not under MIN_STEP_TOKENS) while
-# other runs are open or waiting: what they may have to wait for before their own pass; alone, passes of
-# max_batch_tokens / ALONE_DIVISOR (as fast a rate per token on a CPU, and a shorter wait for the next arrival).
+# A large run's passes: max_batch_tokens / CONTENDED_DIVISOR tokens (not under MIN_STEP_TOKENS) while other runs are
+# open or waiting; alone, max_batch_tokens / ALONE_DIVISOR (as fast per token on a CPU, a shorter wait for others).
 CONTENDED_DIVISOR = 8
 ALONE_DIVISOR = 2
 MIN_STEP_TOKENS = 128
-# Each open large run holds its document's KV besides the prefix cache's budget: one at a time keeps the server's
-# memory within the weights, the budget and one document (they take turns at the model anyway).
+# Each open large run holds its document's KV besides the prefix cache: one at a time bounds the server's memory.
 MAX_LARGE_RUNS = 1
 # How long the work of a request whose callers have all gone goes on, waiting for a retry to join it (the TypeSafe
 # SDK retries a timed-out POST after about 0.5 s, then 1 s, with the same bytes).
@@ -121,10 +114,6 @@ class Run:
     size: int
     done: int = 0
     last: float = field(default_factory=time.monotonic)
-
-    @property
-    def left(self) -> int:
-        return max(0, self.size - self.done)
 
 
 @dataclass
@@ -311,11 +300,10 @@ class Scheduler:
             return None, run
 
     def _step_budget(self, run: Run) -> int:
-        """The tokens of ``run``'s next pass. A run within one pass (small requests) takes it whole: every pass
-        costs a fixed price (all the weights are read once; about 60 ms for SmolLM2 on two CPU cores), and cutting
-        small requests into short passes while many wait paid it several times per request — a third of the
-        throughput under 16 clients. A large run (a long document) goes in short passes while other runs are open or
-        waiting, so that what they wait for is one short pass; alone, in passes of half the budget."""
+        """The tokens of ``run``'s next pass (a backend with a ``step_budget``). A run within one pass takes it
+        whole: each pass reads all the weights once (about 60 ms for SmolLM2 on two CPU cores), and cutting small
+        requests into short passes under 16 clients paid that several times a request. A large run (a document)
+        goes in short passes while other runs are open or waiting, so that they wait for one short pass only."""
         if run.size <= self.max_batch_tokens:
             return self.max_batch_tokens
         if len(self._running) > 1 or self._waiting:
