@@ -10,6 +10,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import inspect  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
@@ -59,7 +60,7 @@ def pytest_sessionstart(session):
 # ``pytest -m "not slow"`` is the everyday subset; ``pytest`` runs everything, as CI does.
 REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
 REAL_MODEL_SERVER = {"server", "openai_client"}
-SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser"}
+SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser", "browser_factory"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -233,3 +234,27 @@ def blocked(scheduler):
     threading.Thread(target=lambda: scheduler.call(lambda: (started.set(), release.wait(60)))).start()
     assert started.wait(60)
     return release
+
+
+@pytest.fixture()
+def browser_factory():
+    """``make(*chromium_args)`` → a headless Chromium driver (Debian ``chromium`` + ``chromium-driver``, selenium);
+    the test quits it."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        from services import unavailable
+
+        unavailable("chromium and chromedriver are not installed (Debian packages chromium, chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    def make(*args: str):
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--disable-background-networking", "--no-first-run", *args):
+            options.add_argument(arg)
+        return webdriver.Chrome(service=Service(driver_path), options=options)
+
+    return make

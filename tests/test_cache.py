@@ -19,17 +19,20 @@ from servers import start_decisiond
 MASTER = "cache-master-key-0123456789"
 
 CONFIG = """
+allow_raw_upstreams: true  # these tests name upstream models as <provider>/<upstream>
 auth:
   master_key: "${TEST_MASTER}"
 cache: {ttl: 60}
 providers:
   - {name: local, type: local, model: "${TINY_DIR}", served_model_name: tiny-local}
+  - {name: local2, type: local, model: "${TINY_DIR}", served_model_name: tiny-second}
   - {name: up, type: openai, base_url: "${UP}/v1", api_key: upkey, cache: true}
   - {name: slow, type: openai, base_url: "${SLOW}/v1", api_key: upkey, cache: true}
   - {name: plain, type: openai, base_url: "${UP}/v1", api_key: upkey}
   - {name: e529, type: openai, base_url: "${E529}/v1", api_key: upkey, cache: true}
 models:
-  - {name: uncached, provider: local, upstream: tiny-local, cache: false}
+  # A model entry covers every name of its model (local2/tiny-second, tiny-second): all of them uncached.
+  - {name: uncached, provider: local2, cache: false}
 virtual_models:
   - {name: fallback, targets: [e529/x, up/gpt-6-luna]}
   - {name: valias, strategy: alias, targets: [local/tiny-local], cache: false}
@@ -94,6 +97,7 @@ def test_a_repeated_request_is_a_hit_with_a_byte_identical_answer(gw):
     first, second = post(gw, request), post(gw, request)
     assert first.headers["x-cache"] == "MISS" and second.headers["x-cache"] == "HIT"
     assert first.content == second.content
+    assert float(second.headers["x-decisiond-cost"]) == 0  # a hit calls no provider: it costs nothing
     # Key order and whitespace of the body do not matter.
     reordered = json.dumps(dict(reversed(list(request.items()))), indent=3).encode()
     third = httpx.post(gw.url + "/v1/decisions", content=reordered, timeout=60,

@@ -29,6 +29,7 @@ def png_data_url() -> str:
 
 
 CONFIG = """
+allow_raw_upstreams: true  # these tests name upstream models as <provider>/<upstream>
 providers:
   - {name: openai, type: openai, base_url: "${UP_OPENAI}/v1", api_key: "${OPENAI_KEY}", timeout: 10}
   - {name: azure, type: azure, base_url: "${UP_AZURE}", api_key: azkey, api_version: "2026-06-01"}
@@ -302,7 +303,8 @@ def test_models_list_with_capabilities(gateway):
     listed = httpx.get(gateway.url + "/v1/models").json()["data"]
     by_id = {m["id"]: m for m in listed}
     assert by_id["gpt-chat"]["capabilities"] == ["chat"] and by_id["luna"]["capabilities"] == ["decisions"]
-    assert "resilient" in by_id and "local/tiny-local" in by_id and "tiny-local" in by_id
+    # One entry per model: the local model under its served name (local/tiny-local is another spelling of it).
+    assert "resilient" in by_id and "tiny-local" in by_id and "local/tiny-local" not in by_id
     decisions = {m["id"] for m in httpx.get(gateway.url + "/v1/models", params={"capability": "decisions"}).json()["data"]}
     assert "gpt-chat" not in decisions and {"luna", "resilient", "chatty"} <= decisions
 

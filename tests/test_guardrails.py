@@ -98,9 +98,9 @@ def test_fail_mode_closed_blocks_and_open_allows_when_the_judge_fails():
 def test_a_key_guardrail_no_longer_configured_refuses_rather_than_runs_unguarded():
     words = GuardrailConfig(name="words", type="regex", patterns=[{"pattern": "x"}])
     guardrails = GuardrailSet({"words": words})
-    assert guardrails.for_request(None, ["words"]) == [words]
+    assert guardrails.for_request((), ["words"]) == [words]
     with pytest.raises(DecisionError) as e:
-        guardrails.for_request(None, ["words", "removed"])
+        guardrails.for_request((), ["words", "removed"])
     assert e.value.code == "guardrail_not_configured" and "'removed'" in e.value.message
     with pytest.raises(DecisionError) as e:
         guardrails.check_names(["words", "typo"])
@@ -594,10 +594,14 @@ def chat_cost(input_tokens: int, output_tokens: int) -> float:
 
 
 def test_usage_is_read_from_json_answers_and_from_events_however_the_chunks_fall():
-    from decisiond.gateway.chat import UsageMeter
+    from decisiond.gateway.chat import ChatStream
 
     def chunks(data: bytes, size: int) -> list[bytes]:
         return [data[i:i + size] for i in range(0, len(data), size)]
+
+    def relay(stream: ChatStream, data: bytes, size: int) -> bytes:
+        out = b"".join(stream.feed(chunk) for chunk in chunks(data, size))
+        return out + stream.finish()
 
     events = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in (
         {"choices": [{"delta": {"content": 'say "usage"'}}], "usage": None},
@@ -606,29 +610,28 @@ def test_usage_is_read_from_json_answers_and_from_events_however_the_chunks_fall
                          for name, data in filter(None, responses_events("gpt-6")))
     answer = json.dumps({"id": "c1", "model": "gpt-6", "usage": {**CHAT_USAGE, "cost": 0.5}}).encode()
     for size in (1, 7, 64, 100_000):
-        meter = UsageMeter("text/event-stream; charset=utf-8")
-        for chunk in chunks(events, size):
-            meter.feed(chunk)
-        meter.finish()
-        assert meter.usage is not None and meter.model == "gpt-6-0613"
-        assert (meter.usage.input_tokens, meter.usage.output_tokens) == (7, 2)
+        stream = ChatStream("text/event-stream; charset=utf-8")
+        assert relay(stream, events, size) == events  # passed as it came
+        assert stream.usage is not None and stream.model == "gpt-6-0613"
+        assert (stream.usage.input_tokens, stream.usage.output_tokens) == (7, 2) and stream.text_chars == 11
 
-        meter = UsageMeter("text/event-stream")
-        for chunk in chunks(responses, size):
-            meter.feed(chunk)
-        meter.finish()
-        assert meter.usage is not None and (meter.usage.input_tokens, meter.usage.output_tokens) == RESPONSES_USAGE
+        hidden = ChatStream("text/event-stream", hide_usage=True)  # the usage the client did not ask for
+        seen = relay(hidden, events, size)
+        assert (hidden.usage.input_tokens, hidden.usage.output_tokens) == (7, 2)
+        assert b'"usage"' not in seen and seen.endswith(b"data: [DONE]\n\n")
+        assert json.loads(seen.split(b"\n\n")[0][5:]) == {"choices": [{"delta": {"content": 'say "usage"'}}]}
 
-        meter = UsageMeter("application/json")
-        for chunk in chunks(answer, size):
-            meter.feed(chunk)
-        meter.finish()
-        assert meter.usage is not None and (meter.usage.input_tokens, meter.usage.output_tokens) == (12, 3)
-        assert meter.usage.cost == 0.5 and meter.document["id"] == "c1"
-    silent = UsageMeter("text/event-stream")
-    silent.feed(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
-    silent.finish()
-    assert silent.usage is None
+        stream = ChatStream("text/event-stream")
+        assert relay(stream, responses, size) == responses
+        assert stream.usage is not None and (stream.usage.input_tokens, stream.usage.output_tokens) == RESPONSES_USAGE
+
+        stream = ChatStream("application/json")
+        assert relay(stream, answer, size) == answer
+        assert stream.usage is not None and (stream.usage.input_tokens, stream.usage.output_tokens) == (12, 3)
+        assert stream.usage.cost == 0.5 and stream.document["id"] == "c1"
+    silent = ChatStream("text/event-stream")
+    relay(silent, b'data: {"choices": [{"delta": {"content": "Hello"}}]}\n\ndata: [DONE]\n\n', 5)
+    assert silent.usage is None and silent.text_chars == 5
 
 
 def test_chat_and_responses_calls_leave_usage_rows_with_the_upstreams_tokens_and_their_cost(accounted, ups):
@@ -655,15 +658,18 @@ def test_chat_and_responses_calls_leave_usage_rows_with_the_upstreams_tokens_and
         events = list(streamed.parse())
     assert events[-1].type == "response.completed"
     ids["streamed responses"] = streamed.headers["x-request-id"]
-    with client.chat.completions.with_streaming_response.create(  # no include_usage: the upstream reports none
+    with client.chat.completions.with_streaming_response.create(  # no include_usage: decisiond asks for it anyway
             model="chat-priced", stream=True, messages=[{"role": "user", "content": "Say hello"}]) as streamed:
-        assert len(list(streamed.parse())) == 3
-    ids["uncounted"] = streamed.headers["x-request-id"]
+        unasked = list(streamed.parse())
+    assert len(unasked) == 3 and all(c.usage is None and c.choices for c in unasked)  # the stream the client asked
+    assert ups["CHAT"].seen[-1]["body"]["stream_options"] == {"include_usage": True}
+    ids["streamed chat, usage not asked"] = streamed.headers["x-request-id"]
 
     rows = {r["request_id"]: r for r in audit_rows(accounted, 5, user_path="/team/chat")}
     expected = {"chat": ("chat", 12, 3), "responses": ("responses", *RESPONSES_USAGE),
                 "streamed chat": ("chat", STREAM_USAGE["prompt_tokens"], STREAM_USAGE["completion_tokens"]),
-                "streamed responses": ("responses", *RESPONSES_USAGE), "uncounted": ("chat", 0, 0)}
+                "streamed responses": ("responses", *RESPONSES_USAGE),
+                "streamed chat, usage not asked": ("chat", STREAM_USAGE["prompt_tokens"], STREAM_USAGE["completion_tokens"])}
     for name, (kind, input_tokens, output_tokens) in expected.items():
         row = rows[ids[name]]
         assert (row["request_type"], row["input_tokens"], row["output_tokens"]) == (kind, input_tokens,
@@ -675,13 +681,13 @@ def test_chat_and_responses_calls_leave_usage_rows_with_the_upstreams_tokens_and
         assert row["dialect"] == "openai_" + ("chat_completions" if kind == "chat" else "responses")
         assert row["latency_ms"] > 0 and row["outcomes"]["budget"] == "ok"
     assert rows[ids["chat"]]["guardrail"].startswith("words=warn")
-    assert rows[ids["uncounted"]]["outcomes"]["usage"] == "not reported by the upstream"
+    assert not rows[ids["streamed chat, usage not asked"]]["estimated"]
 
     summary = admin(accounted, "GET", "/admin/usage/summary",
                     params={"group_by": "request_type", "user_path": "/team/chat"}).json()["data"]
     assert summary == [
-        {"request_type": "chat", "requests": 3, "input_tokens": 19, "output_tokens": 5,
-         "cost_usd": pytest.approx(chat_cost(19, 5))},
+        {"request_type": "chat", "requests": 3, "input_tokens": 26, "output_tokens": 7,
+         "cost_usd": pytest.approx(chat_cost(26, 7))},
         {"request_type": "responses", "requests": 2, "input_tokens": 10, "output_tokens": 4,
          "cost_usd": pytest.approx(chat_cost(10, 4))}]
     only = audit_rows(accounted, 2, request_type="responses", key=key["id"])
@@ -706,20 +712,28 @@ def test_a_rate_limited_key_gets_429_on_chat_and_the_upstream_is_not_called(acco
 
 def test_a_key_over_its_budget_is_refused_on_chat_and_the_upstream_is_not_called(accounted, ups):
     key = new_key(accounted, name="thrifty", user_path="/team/thrifty")
-    # Room for one call's estimate (a few input tokens) but not for what it really costs (12 in, 3 out).
-    budget = admin(accounted, "PUT", "/admin/budgets", json={"key": key["id"], "limit_usd": 0.00003, "period": "daily"})
+    # Room for one call's worst case — "hi" is at most 2 + 2 × 32 template tokens in (sizes.max_input_tokens) and its
+    # max_tokens out: (66 × 2 + 3 × 8) / 1e6 = $0.000156 — but not, once it has cost its real $0.000048 (12 in, 3 out),
+    # for another.
+    budget = admin(accounted, "PUT", "/admin/budgets", json={"key": key["id"], "limit_usd": 0.0002, "period": "daily"})
     assert budget.status_code == 200, budget.text
     client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)
-    client.chat.completions.create(model="chat-priced", messages=[{"role": "user", "content": "hi"}])
-    spent = {b["id"]: b for b in admin(accounted, "GET", "/admin/budgets").json()["data"]}[budget.json()["id"]]
+    client.chat.completions.create(model="chat-priced", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    deadline = time.monotonic() + 10  # settled as soon as the answer has passed, a moment after the client has it
+    while True:
+        spent = {b["id"]: b for b in admin(accounted, "GET", "/admin/budgets").json()["data"]}[budget.json()["id"]]
+        if spent["reserved_usd"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert spent["spent_usd"] == pytest.approx(chat_cost(12, 3)) and spent["reserved_usd"] == 0
+    assert spent["reservations"] == 0 and spent["oldest_reservation_age_s"] is None
 
     calls = len(ups["CHAT"].seen)
-    for call in (lambda: client.chat.completions.create(model="chat-priced", messages=[
+    for call in (lambda: client.chat.completions.create(model="chat-priced", max_tokens=3, messages=[
                      {"role": "user", "content": "hi"}]),
-                 lambda: client.chat.completions.create(model="chat-priced", stream=True, messages=[
+                 lambda: client.chat.completions.create(model="chat-priced", stream=True, max_tokens=3, messages=[
                      {"role": "user", "content": "hi"}]),
-                 lambda: client.responses.create(model="chat-priced", input="hi")):
+                 lambda: client.responses.create(model="chat-priced", input="hi", max_output_tokens=3)):
         with pytest.raises(openai.APIStatusError) as e:
             call()
         assert e.value.status_code == 402 and e.value.code == "budget_exceeded"
@@ -741,6 +755,9 @@ def test_a_client_that_leaves_mid_stream_frees_what_its_request_held_and_is_reco
             assert "Hel" in first  # the upstream still holds the rest back; the client leaves now
         left = audit_rows(accounted, 1, key=key["id"])
         assert len(left) == 1 and (left[0]["status"], left[0]["error_code"]) == (499, "client_closed_request")
+        # What was relayed before it left is charged, counted by decisiond (the usage never came): "Hel" out.
+        assert left[0]["estimated"] and left[0]["output_tokens"] == 1 and left[0]["input_tokens"] == 3
+        assert left[0]["cost"] == pytest.approx(chat_cost(3, 1))
     finally:
         ups["CHAT"].release.set()
     client = openai.OpenAI(base_url=accounted.url + "/v1", api_key=key["key"], max_retries=0)

@@ -5,16 +5,44 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import math
 import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel, Field
 
 import decisiond
-from decisiond import Choice, ChoiceAnswer, Predicate, PredicateAnswer, Score, ScoreAnswer
+from decisiond import (
+    AuthenticationFailed,
+    BudgetExceeded,
+    Choice,
+    ChoiceAnswer,
+    ConnectionFailed,
+    GuardrailBlocked,
+    InvalidRequest,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    Predicate,
+    PredicateAnswer,
+    ProviderError,
+    ProviderTimeout,
+    RateLimited,
+    Score,
+    ScoreAnswer,
+    ServerError,
+    Timeout,
+    Unavailable,
+)
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -202,3 +230,150 @@ def test_real_model_in_process_equals_the_server(server):
     finally:
         engine.close()
         client.close()
+
+
+# ------------------------------------------------------------------------- the client's exception boundary
+
+
+@contextmanager
+def answering(status: int, body: Any, headers: dict[str, str] | None = None, *, delay_s: float = 0.0,
+              drop: bool = False) -> Iterator[str]:
+    """A real HTTP server on loopback answering every GET and POST with ``status`` and ``body`` (JSON, or bytes as
+    they are) after ``delay_s``, or dropping the connection unanswered; yields its URL."""
+
+    class Handle(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            time.sleep(delay_s)
+            if drop:
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json" if not isinstance(body, bytes) else "text/html")
+            self.send_header("content-length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_POST = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def refusal(status: int, code: str | None, param: str | None = None, type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": f"refused with {status}", "type": type, "param": param, "code": code}}
+
+
+RETRY = {"retry-after": "2", "retry-after-ms": "1500"}
+
+
+@pytest.mark.parametrize(("status", "code", "headers", "expected", "expected_code"), [
+    (400, "invalid_value", {}, InvalidRequest, "invalid_value"),
+    (400, "limit_exceeded", {}, LimitExceeded, "limit_exceeded"),
+    (413, "request_too_large", {}, LimitExceeded, "request_too_large"),
+    (400, "context_length_exceeded", {}, LimitExceeded, "context_length_exceeded"),
+    (422, "invalid_type", {}, InvalidRequest, "invalid_type"),
+    (415, "unsupported_encoding", {}, InvalidRequest, "unsupported_encoding"),
+    (401, "invalid_api_key", {}, AuthenticationFailed, "invalid_api_key"),
+    (402, "budget_exceeded", RETRY, BudgetExceeded, "budget_exceeded"),
+    (403, "model_not_allowed", {}, PermissionDenied, "model_not_allowed"),
+    (404, "model_not_found", {}, NotFound, "model_not_found"),
+    (400, "guardrail_blocked", {}, GuardrailBlocked, "guardrail_blocked"),
+    (429, "rate_limit_exceeded", RETRY, RateLimited, "rate_limit_exceeded"),
+    (500, "internal_error", {}, ServerError, "internal_error"),
+    (500, "guardrail_not_configured", {}, ServerError, "guardrail_not_configured"),
+    (503, "server_overloaded", RETRY, Unavailable, "server_overloaded"),
+    (504, "deadline_exceeded", {}, Timeout, "deadline_exceeded"),
+    (504, "upstream_timeout", {}, ProviderTimeout, "upstream_timeout"),
+    (502, "upstream_unavailable", {}, ProviderError, "upstream_unavailable"),
+    (401, "upstream_401", {}, ProviderError, "upstream_401"),  # the provider's key failed, not the caller's
+    (529, None, {}, ProviderError, "provider_error"),
+    (418, None, {}, InvalidRequest, "invalid_value"),
+])
+def test_client_raises_the_class_of_each_server_refusal(status, code, headers, expected, expected_code):
+    with answering(status, refusal(status, code, "questions[0].name"), headers) as url, \
+            decisiond.Client(url) as client:
+        with pytest.raises(decisiond.DecisionError) as caught:
+            client.decide(TICKET, QUESTIONS[:1])
+    error = caught.value
+    assert type(error) is expected and isinstance(error, decisiond.DecisionError)
+    assert (error.status, error.code, error.message) == (status, expected_code, f"refused with {status}")
+    assert error.path == ("questions[0].name",) and error.type == "invalid_request_error"
+    for name, value in headers.items():
+        assert error.headers[name] == value
+    assert "content-length" not in error.headers
+
+
+def test_client_models_map_errors_the_same_way():
+    with answering(401, refusal(401, "invalid_api_key", type="authentication_error")) as url, \
+            decisiond.Client(url, api_key="sk-wrong") as client:
+        with pytest.raises(AuthenticationFailed) as caught:
+            client.models()
+    assert (caught.value.status, caught.value.code, caught.value.type) == (401, "invalid_api_key",
+                                                                          "authentication_error")
+    assert isinstance(caught.value, decisiond.DecisionError)
+    with answering(200, {"object": "list", "data": [{"id": "tiny"}, {"id": "default"}]}) as url, \
+            decisiond.Client(url) as client:
+        assert client.models() == ["tiny", "default"]
+    with answering(200, {"object": "list", "data": [{"name": "tiny"}]}) as url, decisiond.Client(url) as client:
+        with pytest.raises(ProviderError) as caught:
+            client.models()
+    assert type(caught.value) is ProviderError and (caught.value.status, caught.value.code) == (502, "invalid_response")
+
+
+@pytest.mark.parametrize(("status", "body", "expected_status"), [
+    (502, b"<html><body>502 Bad Gateway</body></html>", 502),
+    (500, b"Internal Server Error", 500),
+    (200, b"this is not JSON", 502),
+    (200, ["a", "list"], 502),
+    (200, {"object": "list"}, 502),  # neither answers nor models
+])
+def test_client_names_the_status_of_a_body_that_is_not_an_answer(status, body, expected_status):
+    with answering(status, body) as url, decisiond.Client(url) as client:
+        for call in (lambda: client.decide(TICKET, QUESTIONS[:1]), client.models):
+            with pytest.raises(decisiond.DecisionError) as caught:
+                call()
+            error = caught.value
+            assert type(error) is ProviderError and isinstance(error, decisiond.DecisionError)
+            assert (error.status, error.code) == (expected_status, "invalid_response")
+            assert f"HTTP {status}" in error.message
+
+
+def test_client_transport_failures_are_decision_errors():
+    with socket.socket() as probe:  # a port nothing listens on: the connection is refused
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with decisiond.Client(closed) as client:
+        for call in (lambda: client.decide(TICKET, QUESTIONS[:1]), client.models):
+            with pytest.raises(ConnectionFailed) as caught:
+                call()
+            assert isinstance(caught.value, decisiond.DecisionError)
+            assert (caught.value.status, caught.value.code) == (503, "connection_failed")
+    with answering(200, {}, drop=True) as url, decisiond.Client(url) as client:
+        with pytest.raises(ConnectionFailed) as caught:
+            client.decide(TICKET, QUESTIONS[:1])
+        assert (caught.value.status, caught.value.code) == (503, "connection_failed")
+    with answering(200, {}, delay_s=2.0) as url, decisiond.Client(url, timeout=0.2) as client:
+        started = time.perf_counter()
+        with pytest.raises(Timeout) as caught:
+            client.decide(TICKET, QUESTIONS[:1])
+        assert time.perf_counter() - started < 1.5
+        assert type(caught.value) is Timeout and isinstance(caught.value, decisiond.DecisionError)
+        assert (caught.value.status, caught.value.code) == (504, "client_timeout")
+        with pytest.raises(Timeout):
+            asyncio.run(client.amodels())

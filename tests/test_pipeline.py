@@ -65,7 +65,7 @@ def broken_app(tiny_engine):
 
 def post(app, path: str, body: dict) -> httpx.Response:
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
             return await client.post(path, json=body)
 
     return asyncio.run(go())
@@ -91,7 +91,7 @@ def test_a_bug_is_a_500_in_the_callers_dialect(broken_app):
 def app(tiny_engine):
     from decisiond.gateway.config import parse
 
-    config = parse({"providers": [{"name": "up", "type": "openai", "base_url": "http://127.0.0.1:9/v1"},
+    config = parse({"allow_raw_upstreams": True, "providers": [{"name": "up", "type": "openai", "base_url": "http://127.0.0.1:9/v1"},
                                   {"name": "local", "type": "local"}]})
     router = Router.from_config(config, {"local": tiny_engine})
     return create_app(router, gateway=Gateway(router, config))
@@ -99,7 +99,7 @@ def app(tiny_engine):
 
 def send(app, path: str, content: bytes, headers: dict) -> httpx.Response:
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
             return await client.post(path, content=content, headers=headers)
 
     return asyncio.run(go())

@@ -98,7 +98,9 @@ def router():
     plain = Plain(ProviderConfig(name="p", type="openai", base_url="http://127.0.0.1:9/v1"))
     models = {"s/scorer-1": Target("s/scorer-1", scorer, "scorer-1", description=scorer.describe()),
               "plain": Target("plain", plain, "up")}
-    return Router({"s": scorer, "p": plain}, models, default_model="s/scorer-1"), scorer, plain
+    aliases = {"s/default": "s/scorer-1", "scorer-1": "s/scorer-1"}  # its own model's other spellings
+    return Router({"s": scorer, "p": plain}, models, default_model="s/scorer-1", aliases=aliases,
+                  allow_raw_upstreams=True), scorer, plain
 
 
 def test_score_goes_to_the_provider_that_declares_it():

@@ -39,7 +39,7 @@ def reference_logprobs(model, prompt_ids: list[int], label_ids: list[int]) -> li
 
 def post(app, path: str, body: dict) -> httpx.Response:
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=60) as c:
             return await c.post(path, json=body)
 
     return asyncio.run(go())

@@ -25,11 +25,13 @@ QUESTION = {"type": "predicate", "name": "billing", "instructions": "Is this abo
 ADMIN = {"Authorization": f"Bearer {MASTER}"}
 
 CONFIG = """
+allow_raw_upstreams: true  # these tests name upstream models as <provider>/<upstream>
 auth:
   master_key: "${TEST_MASTER}"
   keys:
-    - {name: alice, key: "${TEST_ALICE}", user_path: /team/a}
-    - {name: bob, key: "${TEST_BOB}", user_path: /team/b}
+    # Raw upstream names only for keys whose allowlist names them (provider/*; "*" covers configured models only).
+    - {name: alice, key: "${TEST_ALICE}", user_path: /team/a, models: ["*", "openai/*", "openrouter/*", "jev/*"]}
+    - {name: bob, key: "${TEST_BOB}", user_path: /team/b, models: ["*", "jev/*"]}
 database_url: "${TEST_DB}"
 providers:
   - {name: down, type: openai, base_url: "${UP_DOWN}/v1", api_key: sk-down}
@@ -177,7 +179,7 @@ def test_costs_headers_and_usage_rows(gateway):
         "luna": 50 * 1.25 / 1e6,        # input only, at the input rate (cached tokens are not discounted)
         "luna-long": 50 * 2.5 / 1e6,    # 50 tokens > 40: the long-context rate
         "flat": 0.002,                  # per request
-        "openai/gpt-6-luna": 50 * 2.0 / 1e6,  # the provider's default price
+        "openai/gpt-6-other": 50 * 2.0 / 1e6,  # a raw upstream (no entry covers it): the provider's default price
         "openrouter/x": 0.00123,        # the upstream's usage.cost
     }
     ids = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import email.parser
 import email.policy
 import json
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -187,3 +188,146 @@ def hanging_server(seconds: float = 30.0) -> Upstream:
 
 def dropping_server() -> Upstream:
     return Upstream(lambda seen: None).start()
+
+
+# ------------------------------------------------------------------------------------------------ chat
+
+
+class ChatUpstream:
+    """OpenAI's chat completions and Responses API on loopback (JSON, or server-sent events when ``stream``), with a
+    behaviour chosen by the upstream model name the request carries:
+
+    ``ok`` answers ("Hello"), billing ``output_tokens`` completion tokens; ``quiet`` answers but never reports a
+    usage; ``e500``/``e400``/``e429`` fail with that status; ``hang`` never answers (it notes when its client gives
+    up, in ``cancelled``); ``slow`` answers after ``slow_s`` seconds; ``cut`` streams its first event and drops the
+    connection; ``pause`` streams its first half, then stays silent for ``pause_s`` seconds."""
+
+    def __init__(self, output_tokens: int = 3, slow_s: float = 7.0, pause_s: float = 5.0):
+        self.output_tokens, self.slow_s, self.pause_s = output_tokens, slow_s, pause_s
+        self.seen: list[dict[str, Any]] = []
+        self.cancelled = threading.Event()
+        upstream = self
+
+        class Handle(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
+                upstream.seen.append({"path": self.path, "body": body, "auth": self.headers.get("authorization")})
+                upstream.answer(self, self.path.rstrip("/").endswith("/responses"), body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # ---- behaviours
+
+    def answer(self, handler: BaseHTTPRequestHandler, responses: bool, body: dict) -> None:
+        model = body.get("model", "ok")
+        if model.startswith("e") and model[1:].isdigit():
+            return self._json(handler, int(model[1:]), {"error": {"message": f"upstream says {model}",
+                                                                  "type": "server_error", "code": None}})
+        if model == "hang":
+            self._wait_for_close(handler, 30)
+            return None
+        if model == "slow":
+            time.sleep(self.slow_s)
+        usage = self._usage(responses, body) if model != "quiet" else None
+        if not body.get("stream"):
+            document = self._document(responses, body, usage)
+            return self._json(handler, 200, document)
+        return self._stream(handler, responses, body, usage, model)
+
+    def _usage(self, responses: bool, body: dict) -> dict:
+        if responses:
+            return {"input_tokens": 9, "output_tokens": self.output_tokens, "total_tokens": 9 + self.output_tokens}
+        return {"prompt_tokens": 9, "completion_tokens": self.output_tokens, "total_tokens": 9 + self.output_tokens}
+
+    def _document(self, responses: bool, body: dict, usage: dict | None) -> dict:
+        if responses:
+            return {"id": "resp_1", "object": "response", "created_at": 1, "model": body["model"], "status":
+                    "completed", "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status":
+                                             "completed", "content": [{"type": "output_text", "text": "Hello",
+                                                                       "annotations": []}]}],
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": usage}
+        return {"id": "c1", "object": "chat.completion", "created": 1, "model": body["model"], "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hello"}}],
+            "usage": usage}
+
+    @staticmethod
+    def _json(handler: BaseHTTPRequestHandler, status: int, document: dict) -> None:
+        data = json.dumps(document).encode()
+        handler.send_response(status)
+        handler.send_header("content-type", "application/json")
+        handler.send_header("content-length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def _stream(self, handler: BaseHTTPRequestHandler, responses: bool, body: dict, usage: dict | None,
+                model: str) -> None:
+        handler.send_response(200)
+        handler.send_header("content-type", "text/event-stream")
+        handler.send_header("transfer-encoding", "chunked")
+        handler.end_headers()
+        handler.close_connection = True
+        events = self._responses_events(body, usage) if responses else self._chat_events(body, usage)
+        half = len(events) // 2
+        try:
+            for i, event in enumerate(events):
+                if i == 1 and model == "cut":  # after one event the body ends without its last chunk: broken
+                    handler.connection.shutdown(2)
+                    return
+                if i == half and model == "pause":
+                    time.sleep(self.pause_s)
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                handler.wfile.flush()
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            return
+
+    def _chat_events(self, body: dict, usage: dict | None) -> list[bytes]:
+        asked = (body.get("stream_options") or {}).get("include_usage") and usage is not None
+
+        def chunk(content, finish=None, last=False):
+            data = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+                    "choices": [] if last else [{"index": 0, "finish_reason": finish,
+                                                 "delta": {"content": content} if content else {}}]}
+            if asked:
+                data["usage"] = usage if last else None
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        events = [chunk("Hel"), chunk("lo"), chunk(None, "stop")]
+        if asked:
+            events.append(chunk(None, last=True))
+        return events + [b"data: [DONE]\n\n"]
+
+    def _responses_events(self, body: dict, usage: dict | None) -> list[bytes]:
+        done = self._document(True, body, usage)
+        pairs = [("response.created", {"response": {**done, "status": "in_progress", "output": [], "usage": None}}),
+                 ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                                 "delta": "Hel", "logprobs": []}),
+                 ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                                 "delta": "lo", "logprobs": []}),
+                 ("response.completed", {"response": done})]
+        return [f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': i, **data})}\n\n".encode()
+                for i, (name, data) in enumerate(pairs)]
+
+    def _wait_for_close(self, handler: BaseHTTPRequestHandler, seconds: float) -> None:
+        """Hold the request; note when the client closes its end (its call was cancelled)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([handler.connection], [], [], 0.05)
+            if ready and not handler.connection.recv(1, 2):  # MSG_PEEK: readable and empty means closed
+                self.cancelled.set()
+                return

@@ -25,23 +25,10 @@ from .errors import (
     Timeout,
     Unavailable,
 )
-from .library import (
-    Answer,
-    Choice,
-    ChoiceAnswer,
-    Client,
-    Decision,
-    Engine,
-    Predicate,
-    PredicateAnswer,
-    QuestionLike,
-    Refusal,
-    Score,
-    ScoreAnswer,
-    Usage,
-    load,
-    questions_from,
-)
+from .library.answers import Answer, ChoiceAnswer, Decision, PredicateAnswer, Refusal, ScoreAnswer, Usage
+from .library.client import Client
+from .library.inprocess import Engine, load
+from .library.questions import Choice, Predicate, QuestionLike, Score, questions_from
 from .version import __version__
 
 __all__ = [

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DecisionError, InvalidRequest, openai_param
-from .library import Decision, QuestionLike, _Decider
+from .library.answers import Decision
+from .library.decider import Decider
+from .library.questions import QuestionLike
 
 
 @dataclass
@@ -86,7 +88,7 @@ def _count(item: Any, questions: Sequence[QuestionLike] | None) -> int:
     return len(questions or ())
 
 
-async def run_async(decider: _Decider, source: Path, out: Path, questions: Sequence[QuestionLike] | None = None,
+async def run_async(decider: Decider, source: Path, out: Path, questions: Sequence[QuestionLike] | None = None,
                     *, concurrency: int = 4, progress: bool = True, **options: Any) -> Summary:
     from tqdm import tqdm
 
@@ -138,7 +140,7 @@ async def run_async(decider: _Decider, source: Path, out: Path, questions: Seque
     return summary
 
 
-def run(decider: _Decider, source: Path, out: Path, questions: Sequence[QuestionLike] | None = None, *,
+def run(decider: Decider, source: Path, out: Path, questions: Sequence[QuestionLike] | None = None, *,
         concurrency: int = 4, progress: bool = True, **options: Any) -> Summary:
     return asyncio.run(run_async(decider, source, out, questions, concurrency=concurrency, progress=progress,
                                  **options))

@@ -226,6 +226,14 @@ def refused(message: str, *path: str | int, code: str = "unsupported_value") -> 
 
 
 UPSTREAM_MESSAGE_LIMIT = 512
+# The headers of a refusal that say when to retry, kept from an upstream's answer and relayed to clients (both SDKs
+# honour ``retry-after-ms`` first, then ``retry-after``).
+RETRY_HEADERS = ("retry-after", "retry-after-ms")
+
+
+def retry_headers(headers: Any) -> dict[str, str]:
+    """The retry headers among ``headers`` (any mapping, names in any case)."""
+    return {k.lower(): v for k, v in headers.items() if k.lower() in RETRY_HEADERS}
 FAILOVER_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
 
 # What credentials look like in an upstream's error text: bearer tokens, sk-/dk- style keys, key=value pairs.
@@ -234,6 +242,14 @@ _CREDENTIALS = re.compile(
     r"|\b(?:sk|dk|rk|pk|ak)-[A-Za-z0-9_\-]{6,}"
     r"|((?:api[_-]?key|access[_-]?token|secret|password|authorization)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;]+")
 REDACTED = "[redacted]"
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line for a log or a refusal: its type and its message's first line (the driver's own error
+    where a library wraps one in ``orig``, as SQLAlchemy does), credentials cut out."""
+    inner = getattr(error, "orig", None) or error
+    first = (str(inner).strip().splitlines() or [""])[0]
+    return scrub(f"{type(inner).__name__}: {first}"[:300])
 
 
 def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:

@@ -12,8 +12,11 @@ content-free inputs of contextual calibration); the modes are then computed side
 base modes ``raw`` (given order), ``cyclic``, ``contextual``, ``both``, and each base mode with a regularised fit on
 top (``raw+fit``, …: temperature, and with ``--bias`` a per-position bias, per question type). A ``+fit`` mode is
 judged by nested cross-fitting: each of ``FOLDS`` folds is scored by a fit (strength chosen by an inner
-cross-validation) on the other folds, so no item is judged by a correction fitted on itself. The mode with the
-lowest (cross-validated) log loss is the best mode; ``calibrate --auto`` writes a profile for it.
+cross-validation, or no fit at all when none beats the base mode by more than the fold-to-fold spread of its gain:
+``calibration.regularised_fit``) on the other folds, so no item is judged by a correction fitted on itself; each
+``+fit`` mode is reported beside its base, fold by fold (``beside_base``). The mode with the lowest
+(cross-validated) log loss is the best mode; ``calibrate --auto`` writes a profile for it. The tables and the
+diagram are ``evaluation_report``'s.
 
 Uncertainty: a percentile bootstrap over items (all questions of an item resampled together), ``resamples`` draws
 ``numpy.random.default_rng(seed).integers(0, items, size=(resamples, items))``, 95% intervals by linear
@@ -130,11 +133,21 @@ def probabilities(sample: Sample, order: str, calibrate_mode: str, fitted: Fit |
     return combine(variants, contextual, fitted.temperature, fitted.bias or None)[0]
 
 
-def cross_fitted(samples: list[Sample], order: str, calibrate_mode: str, with_bias: bool = False
-                 ) -> tuple[list[list[float]], dict[str, list[float | None]]]:
+@dataclass
+class CrossFitted:
+    """A ``+fit`` mode's held-out probabilities, the outer fold that scored each sample, and per question type the
+    strength each fold's fit chose (None: that fold kept the base mode)."""
+
+    probabilities: list[list[float]]
+    fold: list[int]
+    strengths: dict[str, list[float | None]]
+
+
+def cross_fitted(samples: list[Sample], order: str, calibrate_mode: str, with_bias: bool = False) -> CrossFitted:
     """Probabilities under a base mode with a regularised fit per question type, each of ``FOLDS`` folds scored by
-    a fit on the others; and per type the strength each fold's fit chose (None: it kept the base mode)."""
-    out: list[list[float] | None] = [None] * len(samples)
+    a fit on the others (fold j of every type together make outer fold j)."""
+    out: list[list[float]] = [[] for _ in samples]
+    fold = [0] * len(samples)
     chosen: dict[str, list[float | None]] = {}
     contextual = calibrate_mode == "contextual"
     for kind in KINDS:
@@ -142,14 +155,32 @@ def cross_fitted(samples: list[Sample], order: str, calibrate_mode: str, with_bi
         if not index:
             continue
         chosen[kind] = []
-        for held in folds(len(index)):
+        for number, held in enumerate(folds(len(index))):
             held_set = set(held)
             rest = [in_order(samples[index[j]], order) for j in range(len(index)) if j not in held_set]
             selection = regularised_fit(rest, contextual, with_bias)
             chosen[kind].append(selection.strength)
             for j in held:
                 out[index[j]] = probabilities(samples[index[j]], order, calibrate_mode, selection.fit)
-    return out, chosen  # type: ignore[return-value]
+                fold[index[j]] = number
+    return CrossFitted(out, fold, chosen)
+
+
+def beside_base(base: list[list[float]], fitted: CrossFitted, golds: list[int]) -> dict[str, Any]:
+    """A ``+fit`` mode against its base mode, outer fold by outer fold: each fold's held-out log loss under both,
+    and the spread of the difference (mean, standard deviation, range, folds where the fit lost)."""
+    import numpy as np
+
+    per_fold = []
+    for number in sorted(set(fitted.fold)):
+        members = [i for i, f in enumerate(fitted.fold) if f == number]
+        per_fold.append({"questions": len(members),
+                         "base": metrics([(base[i], golds[i]) for i in members], 0.5)["log_loss"],
+                         "fit": metrics([(fitted.probabilities[i], golds[i]) for i in members], 0.5)["log_loss"]})
+    delta = np.array([f["fit"] - f["base"] for f in per_fold])
+    return {"folds": per_fold, "delta_mean": float(delta.mean()), "delta_sd": float(delta.std(ddof=1))
+            if len(delta) > 1 else 0.0, "delta_min": float(delta.min()), "delta_max": float(delta.max()),
+            "folds_worse": int((delta > 0).sum()), "strengths": fitted.strengths}
 
 
 def predicted(p: list[float]) -> int:
@@ -232,14 +263,16 @@ def assess(samples: list[Sample], groups: list[int], threshold: float = 0.5, cov
     """Every mode's probabilities from the same scored samples, their metrics per question type and overall,
     bootstrap intervals (overall), reliability bins, and the best mode."""
     per_mode = {mode: [probabilities(s, *MODES[mode]) for s in samples] for mode in MODES}
-    strengths = {}
-    for mode in MODES:
-        per_mode[mode + FIT], strengths[mode + FIT] = cross_fitted(samples, *MODES[mode], with_bias)
     golds = [s.gold for s in samples]
+    fits = {}
+    for mode in MODES:
+        fitted = cross_fitted(samples, *MODES[mode], with_bias)
+        per_mode[mode + FIT] = fitted.probabilities
+        fits[mode + FIT] = {"base": mode, **beside_base(per_mode[mode], fitted, golds)}
     report: dict[str, Any] = {"questions": len(samples), "items": max(groups) + 1 if groups else 0,
                               "threshold": threshold, "coverage": coverage, "bias": with_bias,
                               "bootstrap": {"resamples": resamples, "seed": seed, "unit": "item"},
-                              "modes": {}, "reliability": {}, "fit_strengths": strengths}
+                              "modes": {}, "reliability": {}, "fits": fits}
     intervals = bootstrap(per_mode, golds, groups, resamples, seed)
     for mode, probs in per_mode.items():
         pairs = list(zip(probs, golds))
@@ -271,81 +304,6 @@ def reliability(pairs: list[tuple[list[float], int]]) -> list[dict[str, float]]:
              "accuracy": sum(r for _, r in m) / len(m)} for b, m in enumerate(members) if m]
 
 
-def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Reliability diagram (each point labeled with its bin's count) over a panel of the bins' counts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, counts) = plt.subplots(2, 1, figsize=(7, 9), dpi=100, height_ratios=(3, 1), sharex=True)
-    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
-    for mode, rows in report["reliability"].items():
-        if not rows:
-            continue
-        fitted = mode.endswith(FIT)  # drawn dotted, in its base mode's colour
-        style = {"color": f"C{list(MODES).index(mode[: -len(FIT)] if fitted else mode)}",
-                 "linestyle": ":" if fitted else "-"}
-        x = [r["confidence"] for r in rows]
-        ax.plot(x, [r["accuracy"] for r in rows], marker="o", **style,
-                label=f"{mode} (ECE {report['modes'][mode]['all']['ece']:.3f})")
-        for r in rows:
-            ax.annotate(str(r["count"]), (r["confidence"], r["accuracy"]), textcoords="offset points",
-                        xytext=(4, 3), fontsize=6, color=style["color"])
-        counts.plot(x, [r["count"] for r in rows], marker=".", **style)
-    ax.set_ylabel("accuracy")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_title(f"Reliability: {report['model']}, {report['questions']} questions\n(numbers: questions per bin; "
-                 f"dotted: +fit)", fontsize=10)
-    ax.legend(loc="upper left", fontsize=7)
-    counts.set_xlabel("top probability (bin mean)")
-    counts.set_ylabel("questions in bin")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _ci(values: list[float], signed: bool = False) -> str:
-    fmt = "{:+.3f}" if signed else "{:.3f}"
-    return f"[{fmt.format(values[0])}, {fmt.format(values[1])}]"
-
-
-def table(report: dict[str, Any]) -> str:
-    """Markdown: every mode overall with 95% intervals and the paired difference against raw, then per type."""
-    t, c, best = report["threshold"], report["coverage"], report["best_mode"]
-    ref = f"vs_{REFERENCE}"
-
-    def label(mode: str) -> str:
-        return f"**{mode}** ★" if mode == best else mode
-
-    lines = [f"| mode | questions | accuracy [95% CI] | log loss [95% CI] | ECE [95% CI] | Δ accuracy vs {REFERENCE} "
-             f"| Δ log loss vs {REFERENCE} | Δ ECE vs {REFERENCE} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for mode in ALL_MODES:
-        m = report["modes"][mode]["all"]
-        r = report["modes"][REFERENCE]["all"]
-        cells = [f"{m[k]:.3f} {_ci(m['interval'][k])}" for k in INTERVAL_METRICS]
-        cells += [f"{m[k] - r[k]:+.3f} {_ci(m[ref][k], signed=True)}" for k in INTERVAL_METRICS]
-        lines.append(f"| {label(mode)} | {m['n']} | " + " | ".join(cells) + " |")
-    lines += ["", f"★ lowest log loss (cross-validated for +fit modes). Intervals: bootstrap over "
-                  f"{report['items']} items, {report['bootstrap']['resamples']} resamples, seed "
-                  f"{report['bootstrap']['seed']}.", "",
-              f"| mode | questions | accuracy | log loss | Brier | ECE | answered at p ≥ {t:g} "
-              f"| accuracy when answered | accuracy at coverage {c:g} |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for scope in ("all", *KINDS):
-        for mode in ALL_MODES:
-            m = report["modes"][mode][scope]
-            if not m.get("n"):
-                continue
-            name = label(mode) if scope == "all" else f"{mode} — {scope}"
-            lines.append(f"| {name} | {m['n']} | {m['accuracy']:.3f} | {m['log_loss']:.3f} | {m['brier']:.3f} | "
-                         f"{m['ece']:.3f} | {m['answered']:.2f} | {m['answered_accuracy']:.3f} | "
-                         f"{m['coverage_accuracy']:.3f} |")
-    return "\n".join(lines)
-
-
 def fit_profile(samples: list[Sample], order: str, calibrate_mode: str, with_bias: bool, model: str,
                 data: dict[str, Any]) -> tuple[Profile, dict[str, Any]]:
     """A profile for one mode: a regularised fit per question type on all ``samples`` (a type whose fit does not
@@ -362,7 +320,8 @@ def fit_profile(samples: list[Sample], order: str, calibrate_mode: str, with_bia
         summary[kind] = {"questions": len(chosen), "kept_base": selection.kept_base, "strength": selection.strength,
                          "temperature": selection.fit.temperature, "bias": selection.fit.bias,
                          "cv_log_loss_base": selection.base_log_loss, "cv_log_loss": selection.cv_log_loss,
-                         "cv_log_loss_by_strength": selection.candidates}
+                         "cv_gain_se": selection.gain_error, "cv_log_loss_by_strength": selection.candidates,
+                         "fold_log_loss_base": selection.fold_base, "fold_log_loss": selection.fold_chosen}
     profile.data["fits"] = summary
     return profile, summary
 

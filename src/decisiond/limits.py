@@ -1,6 +1,6 @@
 """The one table of limits every layer reads: what each wire format publishes, what the local engine can
 label, and what decisiond bounds on its own. A number appears here and nowhere else; the modules that enforce a
-limit import it (the dialects in their schemas, ``gateway.limits`` for every request whatever answers it and for
+limit import it (the dialects in their schemas, ``gateway.sizes`` for every request whatever answers it and for
 each provider, the engine for its labels)."""
 
 from __future__ import annotations
@@ -73,26 +73,49 @@ REQUEST_TEMPLATE_BUDGET_S = 15.0  # all renders of one request together (one per
 REQUEST_TEMPLATE_MEMORY_BYTES = 512 * 1024 * 1024
 REQUEST_TEMPLATE_MAX_OUTPUT = 1024 * 1024
 
-# Usage records: at most this many wait in memory for the database (beyond, they are dropped, counted and logged),
-# written this many a transaction; a failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean
-# stop keeps trying to flush for USAGE_FLUSH_TIMEOUT_S; retention is enforced every USAGE_PURGE_INTERVAL_S.
+# Usage records (``gateway.usage_writer``): journaled on disk; only when the journal's disk refuses them do they wait
+# in memory, at most this many (beyond, they are dropped, counted and logged); written this many a transaction; a
+# failed write is retried after a pause doubling up to USAGE_RETRY_MAX_S; a clean stop keeps trying to flush for
+# USAGE_FLUSH_TIMEOUT_S (what is left stays in the journal); retention is enforced every USAGE_PURGE_INTERVAL_S.
 USAGE_QUEUE_MAX = 100_000
 USAGE_BATCH = 500
 USAGE_RETRY_MAX_S = 5.0
 USAGE_FLUSH_TIMEOUT_S = 15.0
 USAGE_PURGE_INTERVAL_S = 3600.0
+# The usage journal (``gateway.journal``): other processes' journals on the same directory are looked at this often
+# (a replica that died on this host has its records written by a live one); a string longer than its column is cut
+# to the column's size, ending in this marker.
+USAGE_ORPHAN_SCAN_S = 60.0
+USAGE_CUT_MARKER = "…[cut]"
+# Seconds to connect to PostgreSQL (start-up fails with one line after that; later, a write is retried).
+DATABASE_CONNECT_TIMEOUT_S = 10.0
 # Budgets: the list is re-read from the database this often (a change on another replica is seen within it); a
 # reservation or settlement waits at most BUDGET_DB_TIMEOUT_S for the database.
 BUDGET_CACHE_S = 2.0
 BUDGET_DB_TIMEOUT_S = 3.0
 # GET /admin/audit: rows per page at most.
 AUDIT_PAGE_MAX = 1000
-# The response cache (``gateway.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
+# The response cache (``gateway.stages.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
 # encoded answers one process keeps in memory (least recently used first out).
 CACHE_TTL_S = 3600
 CACHE_MAX_BYTES = 64 * 1024 * 1024
-# Chat traffic (``gateway.passthrough``): chunks of an answer waiting between the upstream and a slow client (the
+# Chat traffic (``gateway.chat``): chunks of an answer waiting between the upstream and a slow client (the
 # upstream is read no faster than the client takes them), and the most of a JSON answer, or of one server-sent event
 # line, kept to read the usage from (a larger one passes through uncounted, logged).
 CHAT_RELAY_CHUNKS = 16
 CHAT_USAGE_SCAN_BYTES = 16 * 1024 * 1024
+# Of an upstream's error answer, at most this much is read for its message (the rest is drained unread).
+UPSTREAM_ERROR_BODY_BYTES = 64 * 1024
+# A decision_judge guardrail reads the request's texts joined into one document of at most this many characters; a
+# longer one is not judged in part: the guardrail fails, and its fail_mode decides (closed: blocked).
+GUARDRAIL_JUDGE_MAX_CHARS = 64 * 1024
+# A concurrency slot (rate_limits.concurrent) held in Redis expires this long after it was taken, so that a replica
+# that dies holding slots does not hold them for ever (config: concurrency_slot_ttl_s).
+CONCURRENCY_SLOT_TTL_S = 3600
+# The output tokens a chat answer may bill when its request sets no max_tokens (budgets reserve this much; per model:
+# max_output_tokens).
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+# A budget reservation left by a request that never settled (its replica crashed, or the database was down when it
+# ended) is released this long after it was made, by whichever replica reserves on that budget next
+# (config: budget_reservation_ttl_s).
+BUDGET_RESERVATION_TTL_S = 3600

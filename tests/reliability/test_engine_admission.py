@@ -328,7 +328,7 @@ def test_a_client_that_disconnects_stops_its_work(tiny):
     with InProcessServer(engine) as server:
         body = json.dumps(SGLANG_BODY).encode()
         client = socket.create_connection(("127.0.0.1", server.port))
-        client.sendall(b"POST /v1/decisions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        client.sendall(b"POST /v1/decisions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
         assert stepper.held.wait(60)  # the model is in the middle of the request …
         client.close()  # … when its client leaves

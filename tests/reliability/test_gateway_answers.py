@@ -17,6 +17,7 @@ from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 UPSTREAM_KEY = "sk-upstream-reliability-7f6e5d"
 
 CONFIG = """
+allow_raw_upstreams: true  # these tests name upstream models as <provider>/<upstream>
 providers:
   - {name: good, type: openai, base_url: "${GOOD}/v1", api_key: "${UP_KEY}"}
   - {name: s1good, type: systemone, base_url: "${S1GOOD}"}
@@ -154,7 +155,7 @@ def test_hostile_json_is_a_4xx_on_every_route(gateway, path, body, what):
 def test_a_stalled_body_is_cut_off(gateway):
     host, port = gateway.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/decisions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/decisions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"input\": ")
         start = time.monotonic()
         reply = s.recv(4096).decode()

@@ -30,7 +30,8 @@ def register_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     keys_sub = keys.add_subparsers(dest="action", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (once)")
     create.add_argument("--name", required=True)
-    create.add_argument("--user-path", default="/")
+    create.add_argument("--user-path", default=None,
+                        help="the path its usage and budgets count under (default: one of its own, /keys/<id>)")
     create.add_argument("--models", default=None, help="comma-separated model names or provider/* (default: all)")
     create.add_argument("--rpm", type=int, default=None, help="requests per minute")
     create.add_argument("--rpd", type=int, default=None, help="requests per day")
@@ -53,7 +54,7 @@ def register_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
     usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
     usage_cmd.add_argument("--request-type", default=None,  # usage.REQUEST_TYPES (a test keeps them equal)
-                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses"])
+                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp"])
     usage_cmd.add_argument("--log-level", default="warning")
     usage_cmd.set_defaults(func=cmd_usage)
 
@@ -121,7 +122,7 @@ async def _create_key(args: argparse.Namespace, store: KeyStore, guardrails: lis
     expires = (datetime.now(timezone.utc) + timedelta(seconds=args.expires_in)
                if args.expires_in else None)
     record, key = await store.create(
-        args.name, check_user_path(args.user_path),
+        args.name, check_user_path(args.user_path) if args.user_path is not None else None,
         [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
         limits.model_dump(exclude_defaults=True) or None, expires, guardrails)
     print(json.dumps({**record.public(), "key": key}, indent=2))

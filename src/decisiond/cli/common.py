@@ -132,7 +132,7 @@ def build_router(args: argparse.Namespace, config: GatewayConfig | None = None) 
             loaded = model_mod.load(provider.model or "default", dtype=provider.dtype, device=args.device,
                                     served_name=provider.served_model_name)
             engines[provider.name] = LocalEngine(
-                loaded, **scheduling(args),
+                loaded, **(scheduling(args) if hasattr(args, "max_batch_tokens") else {}),
                 order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate,
                 profile=load_profile(provider.calibration or args.calibration))
     log.info("gateway configured", extra={"providers": [p.name for p in config.providers],

@@ -15,7 +15,7 @@ import decisiond
 from .. import canonical
 from ..batch import run as run_batch
 from ..errors import DecisionError
-from .common import add_model_args, add_quality_args, local_engine, refuse
+from .common import add_model_args, add_quality_args, build_router, load_config, local_engine, refuse
 
 
 def register_decide(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,6 +35,9 @@ def register_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     batch.add_argument("--out", required=True, help="answers, JSON Lines; lines already answered there are skipped")
     batch.add_argument("--questions", default=None, help="JSON list of questions for lines that are inputs")
     batch.add_argument("--url", default=None, help="a running decisiond to ask instead of loading --model here")
+    batch.add_argument("--config", default=None,
+                       help="a gateway YAML to answer through here (--model then names one of its models, e.g. a "
+                            "cascade)")
     batch.add_argument("--api-key", default=None, help="key for --url (default: $DECISIOND_API_KEY)")
     batch.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -76,10 +79,13 @@ def cmd_decide(args: argparse.Namespace) -> int:
 
 
 def _decider(args: argparse.Namespace) -> decisiond.Engine | decisiond.Client:
-    """``--url``: a remote decisiond (``--model`` names the model there); otherwise the model loaded here."""
+    """``--url``: a remote decisiond (``--model`` names the model there); ``--config``: the gateway it describes,
+    built here; otherwise the model loaded here."""
     if getattr(args, "url", None):
         key = args.api_key or os.environ.get("DECISIOND_API_KEY")
         return decisiond.Client(args.url, key, model=args.model)
+    if getattr(args, "config", None):
+        return decisiond.Engine(build_router(args, load_config(args)), model=args.model)
     return decisiond.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name,
                           order=args.order, calibrate=args.calibrate, calibration=args.calibration)
 
@@ -93,7 +99,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
             questions = questions.get("questions")
         if not isinstance(questions, list):
             return refuse("--questions must hold a JSON list of questions (or {\"questions\": [...]})")
-    decider = _decider(args)
+    # Lazy: the gateway's configuration models (start-up time).
+    from ..gateway.config import ConfigError
+
+    try:
+        decider = _decider(args)
+    except ConfigError as error:
+        return refuse(error)
     try:
         summary = run_batch(decider, Path(args.file), Path(args.out), questions, concurrency=args.concurrency,
                             progress=not args.no_progress)

@@ -8,7 +8,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .common import build_router, load_config, refuse
 
 from .common import refuse
 
@@ -36,8 +38,16 @@ def register_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                           help="answer only when the top probability reaches this (default 0.5)")
     evaluate.add_argument("--coverage", type=float, default=0.5,
                           help="also report the accuracy of this share of the most confident answers (default 0.5)")
-    evaluate.add_argument("--out-dir", default="eval-report", help="where report.json and reliability.png go")
-    evaluate.set_defaults(func=cmd_eval)
+    evaluate.add_argument("--out-dir", default="eval-report",
+                          help="where report.json and reliability.png (with --cascade: cascade.json and cascade.png) "
+                               "go")
+    evaluate.add_argument("--cascade", default=None, metavar="NAME",
+                          help="instead of the modes: the share escalated, accuracy, log loss and cost per 1,000 "
+                               "requests of the cascade NAME of --config, for thresholds 0.5-0.99")
+    evaluate.add_argument("--config", default=None, help="the gateway YAML that defines --cascade and its targets")
+    evaluate.add_argument("--device", default="auto", help="where --config's local models run (default: auto)")
+    # --config's local providers take their quality modes from their own entries.
+    evaluate.set_defaults(func=cmd_eval, order=None, calibrate=None, calibration=None)
 
 
 def register_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -92,18 +102,56 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Accuracy, log loss, Brier, ECE per mode side by side with bootstrap intervals; JSON report and reliability
     diagram."""
     # Lazy: the evaluation brings numpy and pydantic, its diagram matplotlib (start-up time).
-    from .. import evaluation
+    from .. import evaluation, evaluation_report
 
+    if args.cascade is not None:
+        return _eval_cascade(args)
     items = evaluation.load(args.file)
     report = evaluation.evaluate(_load_engine_for(args), items, threshold=args.threshold, with_bias=args.bias,
                                  coverage=args.coverage, resamples=args.resamples, seed=args.seed)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    evaluation.plot(report, out / "reliability.png")
-    print(evaluation.table(report))
+    evaluation_report.plot(report, out / "reliability.png")
+    print(evaluation_report.table(report))
     print(f"\nbest mode: {report['best_mode']}; wrote {out / 'report.json'} and {out / 'reliability.png'}",
           file=sys.stderr)
+    return 0
+
+
+def _eval_cascade(args: argparse.Namespace) -> int:
+    """``eval --cascade``: the cascade's thresholds side by side (``decisiond.cascade_eval``); cascade.json and
+    cascade.png."""
+    # Lazy: the gateway (and torch for local models), matplotlib (start-up time).
+    import asyncio
+
+    from .. import cascade_eval, evaluation
+    from ..gateway.config import ConfigError
+
+    if args.config is None:
+        return refuse("--cascade needs --config: the gateway YAML that defines the cascade and its targets")
+    try:
+        router = build_router(args, load_config(args))
+    except ConfigError as error:
+        return refuse(error)
+    items = evaluation.load(args.file)
+
+    async def run() -> dict[str, Any]:
+        try:
+            return await cascade_eval.sweep(router, args.cascade, items)
+        finally:
+            await router.aclose()
+
+    try:
+        report = asyncio.run(run())
+    except ValueError as error:
+        return refuse(error)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cascade.json").write_text(json.dumps(report, indent=2) + "\n")
+    cascade_eval.plot(report, out / "cascade.png")
+    print(cascade_eval.table(report))
+    print(f"\nwrote {out / 'cascade.json'} and {out / 'cascade.png'}", file=sys.stderr)
     return 0
 
 
@@ -126,12 +174,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for kind, row in summary["kinds"].items():
         if row["kept_base"]:
             print(f"{kind}: {row['questions']} questions, kept the base mode {mode}: no fit beat it in "
-                  f"cross-validated log loss ({row['cv_log_loss_base']:.3f})")
+                  f"cross-validated log loss ({row['cv_log_loss_base']:.3f}) by more than the spread of its gain "
+                  f"across folds")
         else:
             print(f"{kind}: {row['questions']} questions, {mode}+fit with L2 strength {row['strength']:g} "
                   f"(chosen by {FOLDS}-fold CV), temperature {row['temperature']:.3f}"
                   + (f", bias {[round(b, 3) for b in row['bias']]}" if row["bias"] else "")
-                  + f", cross-validated log loss {row['cv_log_loss_base']:.3f} -> {row['cv_log_loss']:.3f}")
+                  + f", cross-validated log loss {row['cv_log_loss_base']:.3f} -> {row['cv_log_loss']:.3f} "
+                  f"(gain standard error {row['cv_gain_se']:.3f})")
     print(f"wrote {args.out}; serve with: decisiond serve --model {args.model} --calibration {args.out} "
           f"(it applies order {profile.order}, calibrate {profile.calibrate} and the fits)", file=sys.stderr)
     return 0

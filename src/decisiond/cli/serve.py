@@ -4,6 +4,8 @@ tools over stdio), on one local model or on the gateway a config describes."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+from typing import TYPE_CHECKING, Any
 
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from .common import (
@@ -16,6 +18,12 @@ from .common import (
     log,
     refuse,
 )
+
+if TYPE_CHECKING:
+    from ..gateway.service import Gateway
+
+# uvicorn's exit code for a server that could not start (its port taken, its lifespan failed).
+STARTUP_FAILURE = 3
 
 
 def register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,12 +79,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ConfigError, ModelNotFound, ProfileError) as error:
         log.error(str(error))
         return refuse(error)
-    settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout)
-    app = create_app(router, settings, Gateway(router, config))
+    settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout, host=args.host)
+    try:
+        gateway = Gateway(router, config)
+    except ConfigError as error:
+        return refuse(error)
+    app = create_app(router, settings, gateway)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                                           timeout_keep_alive=60))
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        return runner.run(_serve(server, gateway, args))
+
+
+async def _serve(server: Any, gateway: Gateway, args: argparse.Namespace) -> int:
+    """Start the gateway (database, usage journal) before serving, in the loop that serves: a setting that cannot
+    work is refused with one line and exit 2, not a traceback from the app's start-up."""
+    from ..gateway.config import ConfigError
+
+    try:
+        await gateway.start()
+    except ConfigError as error:
+        await gateway.aclose()
+        return refuse(error)
     log.info("serving", extra={"host": args.host, "port": args.port})
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                timeout_keep_alive=60)
-    return 0
+    try:
+        await server.serve()
+    finally:
+        await gateway.aclose()  # (the app's lifespan closed it already, unless the server never started)
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:

@@ -12,8 +12,10 @@ applied to the labels' log-probabilities (``z``) before the softmax over the lab
   which is divided out: ``z_i − log prior_i``. The prior is cached per rendered question.
 - **fitted** temperature (and optionally a per-position bias) per question type, on top of any of the modes
   above: ``softmax((z + bias) / T)``. ``decisiond calibrate`` minimises log loss on labeled data plus an L2 penalty
-  toward the identity (T = 1, b = 0) whose strength is chosen by cross-validation; the identity (the base mode
-  unchanged) is kept unless a fit beats it in cross-validated log loss, so with few items the fit stays near it.
+  toward the identity (T = 1, b = 0) whose strength is chosen by cross-validation, within bounds (T in [0.2, 100],
+  |b| ≤ 5); the identity (the base mode unchanged) is kept unless a fit beats it in cross-validated log loss by more
+  than one standard error of its fold-to-fold gain, so a fit that would help on some folds and hurt on others is not
+  kept, and with few items the profile stays the identity.
   A ``Profile`` records the whole mode, the fits, and the model and prompt format version they belong to.
 
 ``label_mass`` stays the raw full-vocabulary mass; ``confidence`` is computed from the final probabilities.
@@ -92,6 +94,12 @@ def shifts(n: int, cyclic: bool) -> list[list[int]]:
 # (no fit) is always a candidate, so a fitted correction is kept only when it beats the base mode.
 STRENGTHS = (10.0, 1.0, 0.1, 0.01, 0.001)
 FOLDS = 5
+# What a fit may do at most: T within [0.2, 100], each bias within ±5. Past them a fit on a few dozen questions is
+# chasing noise: T → 0 makes every answer certain, and one held-out mistake then costs ~27 nats (p clamped at 1e-12).
+LOG_T_BOUNDS = (math.log(0.2), math.log(100.0))
+BIAS_BOUND = 5.0
+# Fewer labeled questions of a type than this (4 a fold) and its folds cannot tell a gain from noise: no fit.
+MIN_FIT_QUESTIONS = 20
 
 
 @dataclass
@@ -180,11 +188,11 @@ def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100
         return value, grad
 
     x0 = np.zeros(1 + (batch.width if with_bias else 0))
-    result = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", options={"maxiter": steps})
-    t = math.exp(float(result.x[0])) if abs(float(result.x[0])) < 700 else math.inf
-    if not math.isfinite(t) or t <= 0:
-        t = 1.0
-    return Fit(temperature=t, bias=[float(b) for b in result.x[1:]] if with_bias else [])
+    bounds = [LOG_T_BOUNDS] + [(-BIAS_BOUND, BIAS_BOUND)] * (batch.width if with_bias else 0)
+    result = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds, options={"maxiter": steps})
+    if not np.all(np.isfinite(result.x)):
+        return Fit()
+    return Fit(temperature=math.exp(float(result.x[0])), bias=[float(b) for b in result.x[1:]] if with_bias else [])
 
 
 def _log_loss(batch: _Batch, fitted: Fit) -> float:
@@ -207,47 +215,71 @@ def folds(n: int, k: int = FOLDS) -> list[list[int]]:
     return [list(range(j, n, k)) for j in range(k)]
 
 
-def _cross_validated(batch: _Batch, with_bias: bool, strength: float | None) -> float:
-    if strength is None:
-        return _log_loss(batch, Fit())
-    total = 0.0
+def _fold_losses(batch: _Batch, with_bias: bool, strength: float | None) -> NDArray[np.float64]:
+    """The held-out log loss of each fold: of a fit on the other folds, or of the base mode (``strength`` None)."""
+    out = []
     for held in folds(batch.size):
         held_set = set(held)
         rest = [i for i in range(batch.size) if i not in held_set]
-        fitted = _fit_batch(batch.subset(rest), with_bias, strength)
-        total += _log_loss(batch.subset(held), fitted) * len(held)
-    return total / batch.size
+        fitted = Fit() if strength is None else _fit_batch(batch.subset(rest), with_bias, strength)
+        out.append(_log_loss(batch.subset(held), fitted))
+    return np.array(out)
 
 
 @dataclass
 class Selection:
     """The outcome of a regularised fit: the fit (the identity when no strength beat the base mode), the strength
-    chosen (None: the base mode was kept), and the cross-validated log loss of every candidate."""
+    chosen (None: the base mode was kept), the cross-validated log loss of every candidate, and per fold the
+    held-out log loss of the base mode and of the chosen candidate (the fold-to-fold spread)."""
 
     fit: Fit
     strength: float | None
     base_log_loss: float
     cv_log_loss: float  # of the chosen candidate (== base_log_loss when the base mode is kept)
     candidates: dict[str, float] = field(default_factory=dict)  # str(strength) -> CV log loss
+    fold_base: list[float] = field(default_factory=list)
+    fold_chosen: list[float] = field(default_factory=list)
 
     @property
     def kept_base(self) -> bool:
         return self.strength is None
 
+    @property
+    def gain_error(self) -> float:
+        """The standard error of the chosen candidate's per-fold gain over the base mode (0 with the base kept)."""
+        return standard_error(np.array(self.fold_chosen) - np.array(self.fold_base)) if not self.kept_base else 0.0
+
+
+def standard_error(values: NDArray[np.float64]) -> float:
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.inf
+
 
 def regularised_fit(samples: list[Sample], contextual: bool = False, with_bias: bool = False) -> Selection:
-    """Fit toward the identity with the L2 strength of ``STRENGTHS`` that has the lowest cross-validated log loss,
-    or keep the base mode (no fit) unless one strictly beats it. Ties go to the stronger penalty."""
-    if len(samples) < 2:
+    """Fit toward the identity, or keep the base mode (no fit). A strength of ``STRENGTHS`` is admitted only when
+    its cross-validated gain over the base mode (paired, fold by fold) exceeds one standard error of that gain: a
+    gain the folds disagree on is noise, and a fit chosen on noise hurts held-out data. Of those admitted, the
+    strongest penalty whose cross-validated log loss is within one standard error of the best one's wins (the
+    one-standard-error rule: the minimum of a few noisy candidates is optimistic). With fewer than
+    ``MIN_FIT_QUESTIONS`` samples the base mode is kept."""
+    if len(samples) < MIN_FIT_QUESTIONS:
         loss = _log_loss(_Batch(samples, contextual), Fit()) if samples else float("nan")
         return Selection(Fit(), None, loss, loss)
     batch = _Batch(samples, contextual)
-    base = _cross_validated(batch, with_bias, None)
-    candidates = {str(s): _cross_validated(batch, with_bias, s) for s in STRENGTHS}
-    strength = min(STRENGTHS, key=lambda s: candidates[str(s)])  # first (strongest) on ties
-    if not candidates[str(strength)] < base:
-        return Selection(Fit(), None, base, base, candidates)
-    return Selection(_fit_batch(batch, with_bias, strength), strength, base, candidates[str(strength)], candidates)
+    sizes = np.array([len(held) for held in folds(batch.size)], dtype=np.float64)
+    weights = sizes / sizes.sum()
+    base = _fold_losses(batch, with_bias, None)
+    per_fold = {s: _fold_losses(batch, with_bias, s) for s in STRENGTHS}
+    mean = {s: float(weights @ per_fold[s]) for s in STRENGTHS}
+    base_mean = float(weights @ base)
+    candidates = {str(s): mean[s] for s in STRENGTHS}
+    admitted = [s for s in STRENGTHS if mean[s] - base_mean + standard_error(per_fold[s] - base) < 0]
+    if not admitted:
+        return Selection(Fit(), None, base_mean, base_mean, candidates, base.tolist(), base.tolist())
+    best = min(admitted, key=lambda s: mean[s])
+    within = mean[best] + standard_error(per_fold[best] - base)
+    strength = next(s for s in admitted if mean[s] <= within)  # the strongest penalty within one standard error
+    return Selection(_fit_batch(batch, with_bias, strength), strength, base_mean, mean[strength], candidates,
+                     base.tolist(), per_fold[strength].tolist())
 
 
 # ------------------------------------------------------------------------------------------- profile

@@ -22,9 +22,10 @@ from ..errors import invalid, refused
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 from ..rules import check_temperature
 from ..text import render_input
-from .answers import Prepared, PreparedQuestion, Variant, build_answer, cached_tokens, reorder
+from .assembly import Prepared, PreparedQuestion, Variant, build_answer, cached_tokens, reorder
 from .backends.base import Backend, Scored
 from .backends.transformers import TransformersBackend
+from .bounds import check_fits, max_token_chars
 from .calibration import CALIBRATIONS, CONTENT_FREE, ORDERS, Profile, VariantEvidence, shifts
 from .model import LoadedModel
 from .prefix_cache import Lru
@@ -69,6 +70,7 @@ class LocalEngine:
         self.release_date = loaded.release_date
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
+        self.token_chars = max_token_chars(loaded.tokenizer)  # None: the tokenizer gives no bound
         if profile is not None:
             profile.check(self.name, PROMPT_FORMAT_VERSION)
             order, calibrate = profile.mode(order, calibrate)
@@ -122,6 +124,7 @@ class LocalEngine:
         calibrate = calibrate or request.calibrate or self.calibrate
         kwargs = self.prompter.template_kwargs(request.chat_template_kwargs)
         text = render_input(request.input)
+        check_fits(text, self.token_chars, self.context_length, "input")
         # A template the request brought renders in child processes, under one time budget for the request.
         with request_deadline() if "chat_template" in kwargs else contextlib.nullcontext():
             prepared = [self._prepare_question(text, question, order, calibrate, kwargs)
@@ -233,6 +236,8 @@ class LocalEngine:
         vocab = self.backend.vocab_size
         prompts: list[list[int]] = []
         for i, prompt in enumerate(request.prompts):
+            if isinstance(prompt, str):
+                check_fits(prompt, self.token_chars, self.context_length, "items", i)
             ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:

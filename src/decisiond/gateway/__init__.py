@@ -4,20 +4,21 @@ parse a request into the canonical form) and the providers (which answer it).
 Layers, bottom up. A module imports only from its own layer or the layers above it in this list, never from a
 later one (``tests/test_layers.py`` reads this list and checks it, and that no import cycle exists anywhere):
 
-1. types: types.py settings.py pricing.py sizes.py chat.py fingerprint.py result_check.py pipeline.py
-   — the shared gateway types, the pure configuration models, prices, request sizes and limits, chat traffic's
-   request/relay types, request fingerprints, the answer check, the stage chain. No I/O.
+1. types: types.py settings.py virtual.py pricing.py sizes.py chat.py fingerprint.py result_check.py pipeline.py
+   — the shared gateway types, the pure configuration models (virtual models on their own), prices, request sizes
+   and limits, chat traffic's request/relay types, request fingerprints, the answer check, the stage chain. No I/O.
 2. providers: providers/
    — one module per provider type, registered in one table (``providers.REGISTRY``).
 3. config: config.py
    — loading the YAML, ``${ENV}``, and validating each provider entry against its registered type.
-4. router: router.py forward.py
-   — names to targets, skip rules, failover; chat traffic forwarded to its target.
+4. router: catalog.py router.py cascade.py forward.py
+   — every spelling of a model to its one entry and policy; skip rules and failover; a cascade's steps; chat traffic
+   forwarded.
 5. stages: stages/
    — one module per pipeline stage (request limits, resolve, allowlist, cache, rate limits, budget, guardrails),
    and the caller's authentication.
-6. service: usage.py service.py
-   — usage records and their writer; the gateway assembled (stages in order, the router last).
+6. service: usage.py journal.py usage_writer.py service.py
+   — usage records, their journal and their writer; the gateway assembled (stages in order, the router last).
 
 The HTTP surfaces (``decisiond.server``) sit on top and are the only callers of the service.
 """

@@ -1,15 +1,15 @@
 """Chat traffic as the gateway sees it: ``POST /v1/chat/completions`` and ``POST /v1/responses`` as the stages see
 them (``ChatRequest``), the answer's way back to the client (``Relay``), and the usage read from that answer as it
-passes (``UsageMeter``). The pipeline's last step for them is ``gateway.forward``.
+passes (``ChatStream``). The pipeline's last step for them is ``gateway.forward``.
 
-The answer is never held back: each chunk goes to the client as it comes, and a copy of what is needed to read the
-usage is kept on the side — for a JSON answer the body (usage is at its end), for server-sent events only the
-current line. Chat completions report ``usage.prompt_tokens``/``completion_tokens`` (streamed: in the last chunk,
-when the client asked ``stream_options: {include_usage: true}``); the Responses API reports
+A streamed answer is never held back longer than one event: each event goes to the client as it comes, and what is
+needed to read the usage is kept on the side (``ChatStream``). Chat completions report ``usage.prompt_tokens`` and
+``completion_tokens`` (streamed: in the last chunk, which decisiond always asks for with ``stream_options:
+{include_usage: true}`` and hides from a client that did not ask); the Responses API reports
 ``usage.input_tokens``/``output_tokens`` (streamed: in the ``response.completed`` event's ``response``).
 
-The pipeline's stages hold what they reserved (rate-limit tokens and slots, budget reservations) until ``forward``
-returns, that is until the last chunk has passed; so a streamed answer is settled with its real usage.
+The pipeline's stages hold what they reserved (rate-limit tokens and slots, budget reservations) until the router's
+chat call returns, that is until the last chunk has passed; so a streamed answer is settled with its real usage.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..canonical import Usage
+from ..errors import DecisionError
 from ..limits import CHAT_RELAY_CHUNKS, CHAT_USAGE_SCAN_BYTES
 
 log = logging.getLogger("decisiond.chat")
@@ -77,6 +79,8 @@ class ChatRequest:
     model: str
     slots: list[Slot]
     relay: Relay = field(default_factory=Relay)
+    # What had passed when the client left mid-stream (set as the work is cancelled), so that it is still charged.
+    partial: ChatResult | None = None
 
     def texts(self) -> tuple[str, ...]:
         return tuple(str(container[key]) for container, key in self.slots)
@@ -89,15 +93,17 @@ class ChatRequest:
 
 @dataclass
 class ChatResult:
-    """What the pipeline returns for a chat request once the answer has passed: the upstream's usage (zero when it
-    reported none — ``reported`` says which), the model it named, its status, and a JSON answer's body (for the
-    audit; None for server-sent events)."""
+    """What the pipeline returns for a chat request once the answer has passed: its usage — the upstream's
+    (``reported``), else counted from what was relayed (``estimated``) — the model it named, its status, a JSON
+    answer's body (for the audit; None for server-sent events), and the failure that ended a stream early."""
 
     usage: Usage
     model: str | None
     status: int
     reported: bool
     document: Any = None
+    estimated: bool = False
+    failure: DecisionError | None = None
 
 
 def _int(value: Any) -> int:
@@ -119,49 +125,67 @@ def read_usage(data: Any) -> Usage | None:
         cost=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and cost >= 0 else None)
 
 
-class UsageMeter:
-    """Reads the usage out of an answer fed to it chunk by chunk (see the module docstring). At most
-    ``CHAT_USAGE_SCAN_BYTES`` of a JSON body, or of one event line, are kept; a larger one passes uncounted."""
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 
-    def __init__(self, content_type: str):
+
+class ChatStream:
+    """An upstream's answer on its way to the client, fed chunk by chunk. It reads the usage and the model out of the
+    answer, counts the characters of generated text relayed (for an estimate when no usage comes), and — where
+    decisiond asked the upstream for a usage the client did not ask for (``hide_usage``: a streamed chat completion
+    without ``stream_options.include_usage``) — takes that usage back out, so the client sees the stream it asked.
+
+    A JSON answer passes as it comes and is kept (up to ``CHAT_USAGE_SCAN_BYTES``) to read at its end. Server-sent
+    events pass one whole event at a time (an event is held until its blank line); an event longer than
+    ``CHAT_USAGE_SCAN_BYTES`` passes through as it comes, unread."""
+
+    def __init__(self, content_type: str, hide_usage: bool = False):
         self.events = "text/event-stream" in content_type.lower()
+        self.hide_usage = hide_usage
         self.usage: Usage | None = None
         self.model: str | None = None
         self.document: Any = None
+        self.text_chars = 0
         self.overflow = False
         self._buffer = bytearray()
-        self._skipping = False  # inside an event line too long to keep
+        self._passing = False  # inside an event too long to hold: passed through until its end
+        self._carry = b""  # while passing: the last bytes passed, to find an end that straddles two chunks
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` goes to the client now."""
         if not self.events:
             if not self.overflow:
                 self._buffer += chunk
                 if len(self._buffer) > CHAT_USAGE_SCAN_BYTES:
                     self.overflow, self._buffer = True, bytearray()
-            return
-        start = 0
+            return chunk
+        out = bytearray()
+        if self._passing:
+            window = self._carry + chunk
+            end = _EVENT_END.search(window)
+            if end is None:
+                self._carry = window[-3:]
+                return chunk
+            cut = end.end() - len(self._carry)
+            out += chunk[:cut]
+            chunk, self._passing, self._carry = chunk[cut:], False, b""
+        self._buffer += chunk
         while True:
-            end = chunk.find(b"\n", start)
-            if end < 0:
+            end = _EVENT_END.search(self._buffer)
+            if end is None:
                 break
-            if not self._skipping:
-                self._buffer += chunk[start:end]
-                self._line(bytes(self._buffer))
+            out += self._event(bytes(self._buffer[:end.end()]))
+            del self._buffer[:end.end()]
+        if len(self._buffer) > CHAT_USAGE_SCAN_BYTES:
+            self.overflow, self._passing, self._carry = True, True, bytes(self._buffer[-3:])
+            out += self._buffer
             self._buffer.clear()
-            self._skipping = False
-            start = end + 1
-        if not self._skipping:
-            self._buffer += chunk[start:]
-            if len(self._buffer) > CHAT_USAGE_SCAN_BYTES:
-                self.overflow, self._skipping = True, True
-                self._buffer.clear()
+        return bytes(out)
 
-    def finish(self) -> None:
+    def finish(self) -> bytes:
+        """The end of the answer: what is still held goes to the client; a JSON answer is read."""
         if self.events:
-            if self._buffer and not self._skipping:
-                self._line(bytes(self._buffer))
-            self._buffer.clear()
-            return
+            rest, self._buffer = bytes(self._buffer), bytearray()
+            return self._event(rest) if rest and not self._passing else rest
         if self._buffer:
             try:
                 self.document = json.loads(self._buffer)
@@ -169,20 +193,30 @@ class UsageMeter:
                 self.document = None
             self._buffer.clear()
             self._take(self.document)
+            self._count_answer(self.document)
+        return b""
 
-    def _line(self, line: bytes) -> None:
-        # Only ``data:`` lines that mention a usage are parsed (the last one that carries a usage wins), and the
-        # first that names a model (an answer without a usage still says which model gave it).
-        if not line.startswith(b"data:") or (b'"usage"' not in line and (self.model is not None
-                                                                        or b'"model"' not in line)):
-            return
+    def _event(self, event: bytes) -> bytes:
+        data_lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+        if len(data_lines) != 1 or not data_lines[0].startswith(b"{"):
+            return event
         try:
-            data = json.loads(line[5:])
+            data = json.loads(data_lines[0])
         except ValueError:
-            return
-        if isinstance(data, dict) and isinstance(data.get("response"), dict):  # a Responses API event
-            data = data["response"]
-        self._take(data)
+            return event
+        if not isinstance(data, dict):
+            return event
+        self._count_delta(data)
+        if isinstance(data.get("response"), dict):  # a Responses API event (response.completed holds the usage)
+            self._take(data["response"])
+        else:
+            self._take(data)
+        if not self.hide_usage or "usage" not in data:
+            return event
+        if data["usage"] is not None and not data.get("choices"):  # the usage chunk the client did not ask for
+            return b""
+        del data["usage"]  # every other chunk says "usage": null once usage is asked for
+        return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
     def _take(self, data: Any) -> None:
         if not isinstance(data, dict):
@@ -193,3 +227,23 @@ class UsageMeter:
         model = data.get("model")
         if isinstance(model, str) and (usage is not None or self.model is None):
             self.model = model
+
+    def _count_delta(self, data: dict[str, Any]) -> None:
+        if isinstance(data.get("delta"), str):  # response.output_text.delta
+            self.text_chars += len(data["delta"])
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                self.text_chars += len(delta["content"])
+
+    def _count_answer(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        for choice in data.get("choices") or []:
+            message = choice.get("message") if isinstance(choice, dict) else None
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                self.text_chars += len(message["content"])
+        for item in data.get("output") or []:
+            for part in item.get("content") or [] if isinstance(item, dict) else []:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    self.text_chars += len(part["text"])

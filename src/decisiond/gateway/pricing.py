@@ -20,7 +20,8 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..canonical import Usage
+from ..canonical import DecisionRequest, ScoreRequest, Usage
+from .chat import ChatRequest
 
 MTOK = 1_000_000
 
@@ -75,6 +76,14 @@ def check_pricing(where: str, pricing: Pricing | None, capabilities: Iterable[st
                          "call nothing; give it a per_request price")
 
 
+def billed_as(request: DecisionRequest | ScoreRequest | ChatRequest, provider_format: str) -> str:
+    """The format a request is billed by: chat traffic as chat (input and output), ``/v1/score`` as a local call,
+    a decision by the wire format that answers it (``provider_format``)."""
+    if isinstance(request, ChatRequest):
+        return "chat"
+    return "local" if isinstance(request, ScoreRequest) else provider_format
+
+
 def cost(pricing: Pricing | None, usage: Usage, provider_format: str) -> float:
     """The USD cost of one answered request (see the module docstring for the rules)."""
     if usage.cost is not None:
@@ -89,13 +98,3 @@ def cost(pricing: Pricing | None, usage: Usage, provider_format: str) -> float:
     cached = min(usage.cached_tokens, usage.input_tokens) if pricing.cached_input_per_mtok is not None else 0
     return ((usage.input_tokens - cached) * rate + cached * (pricing.cached_input_per_mtok or 0.0)
             + usage.output_tokens * (pricing.output_per_mtok or 0.0)) / MTOK
-
-
-def estimate(pricing: Pricing | None, input_tokens: int) -> float:
-    """The cost reserved against budgets before the call: the per-request price, or the estimated input tokens at
-    the input rate (output is not known in advance; the real cost is settled after the call)."""
-    if pricing is None:
-        return 0.0
-    if pricing.per_request is not None:
-        return pricing.per_request
-    return input_tokens * pricing.input_rate(input_tokens) / MTOK

@@ -4,26 +4,33 @@ and the pipeline of stages in their one fixed order."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
+import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
 from ..dialects import openai as openai_dialect
-from ..errors import DecisionError, ServerError
+from ..errors import DecisionError, ProviderError, ServerError, one_line
 from ..store.db import Database
 from ..store.keys import KeyStore
 from . import pricing
+from .cascade import ESCALATED_HEADER, Step, escalated
+from .catalog import Target
 from .chat import ChatRequest, ChatResult
-from .forward import forward as forward_chat
+from .config import ConfigError
+from .journal import Journal, default_directory
 from .pipeline import Pipeline
-from .router import Gate, Router, Target
-from .settings import GatewayConfig, GuardrailConfig
+from .router import Router
+from .settings import GatewayConfig, GuardrailConfig, check_redis_url
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
 from .stages.auth import Authenticator
@@ -33,14 +40,25 @@ from .stages.guardrails import GuardrailSet, GuardrailStage, judge_question
 from .stages.ratelimit import RateLimiter, RateLimitStage
 from .stages.request_limits import RequestLimits
 from .stages.resolve import ResolveModel
-from .types import Caller, Context, Stage
-from .usage import UsageRecord, UsageWriter, redact
+from .types import Call, Caller, Context, Stage
+from .usage import UsageRecord, redact
+from .usage_writer import UsageWriter
 
 log = logging.getLogger("decisiond.gateway")
 
 MASTER_KEY_ENV = "DECISIOND_MASTER_KEY"
 DATABASE_URL_ENV = "DECISIOND_DATABASE_URL"
 REDIS_URL_ENV = "DECISIOND_REDIS_URL"
+USAGE_JOURNAL_ENV = "DECISIOND_USAGE_JOURNAL"
+
+
+def _setting(value: str | None, name: str, env: str) -> tuple[str | None, str]:
+    """A setting from the config, else from its environment variable: its value, and the name a refusal gives it."""
+    if value:
+        return value, name
+    if os.environ.get(env):
+        return os.environ[env], env
+    return None, name
 
 
 class Gateway:
@@ -48,13 +66,18 @@ class Gateway:
         config = config or GatewayConfig()
         self.router = router
         self.master_key = config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or None
-        self.database_url = config.database_url or os.environ.get(DATABASE_URL_ENV) or None
-        redis_url = config.redis_url or os.environ.get(REDIS_URL_ENV) or None
+        self.database_url, self._database_setting = _setting(config.database_url, "database_url", DATABASE_URL_ENV)
+        redis_url, redis_setting = _setting(config.redis_url, "redis_url", REDIS_URL_ENV)
+        try:
+            check_redis_url(redis_url)
+        except ValueError as error:
+            raise ConfigError(f"{redis_setting}: {error}") from None
         self.auth = Authenticator(self.master_key, config.auth.keys)
         self.limiter = RateLimiter(
             redis_url, config.rate_limits,
             models={m.name: m.rate_limits for m in config.models if m.rate_limits is not None},
-            providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None})
+            providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None},
+            slot_ttl_s=config.concurrency_slot_ttl_s)
         self.config = config
         self.db: Database | None = None
         self.keys: KeyStore | None = None
@@ -64,15 +87,19 @@ class Gateway:
                       **{v.name: v.guardrails for v in config.virtual_models if v.guardrails}})
         self.budgets: BudgetStore | None = None
         self.usage: UsageWriter | None = None
+        self._started = self._closed = False
         self.cache = ResponseCache(config.cache)
         # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
         stages: list[Stage] = [
             RequestLimits(), ResolveModel(router), Allowlist(router), CacheStage(self.cache, router, self.guardrails),
             RateLimitStage(self.limiter), BudgetStage(lambda: self.budgets, router, config.budgets_when_database_down),
-            GuardrailStage(self.guardrails),
+            GuardrailStage(self.guardrails, router),
         ]
         self.pipeline = Pipeline(stages, self._route)
+        # A decision_judge guardrail's calls: its own user path's rate limits and budgets, then the router.
+        self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(
+            lambda: self.budgets, router, config.budgets_when_database_down)], self._route)
 
     @staticmethod
     def keys_configured(config: GatewayConfig) -> bool:
@@ -86,14 +113,21 @@ class Gateway:
         return self.master_key is not None or self.database_url is not None or bool(self.config.budgets)
 
     async def start(self) -> None:
+        """Open the database (migrated) and the usage journal. A setting that cannot work raises ``ConfigError``
+        naming it and the cause in one line (``decisiond serve`` starts the gateway before it serves, and exits 2 on
+        it); a second call does nothing (the app's lifespan starts it too)."""
+        if self._started:
+            return
+        self._started = True
         if self.needs_database:
-            self.db = await Database.open(self.database_url)
+            self.db = await _open_database(self.database_url, self._database_setting)
+            journal = _open_journal(self.config.usage_journal, self.database_url)
             self.keys = KeyStore(self.db)
             self.auth.store = self.keys
-            self.budgets = BudgetStore(self.db)
+            self.budgets = BudgetStore(self.db, self.config.budget_reservation_ttl_s)
             for budget in self.config.budgets:
                 await self.budgets.put(budget, "config")
-            self.usage = UsageWriter(self.db, self.config.audit.retention_days)
+            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal)
             self.usage.start()
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
@@ -101,6 +135,9 @@ class Gateway:
                         f"and upstream key; set auth.master_key or {MASTER_KEY_ENV}")
 
     async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.usage is not None:
             await self.usage.aclose()  # flush usage records before the database closes
         await self.router.aclose()
@@ -110,26 +147,31 @@ class Gateway:
             await self.db.aclose()
 
     async def _judge(self, guardrail: GuardrailConfig, text: str, request_id: str) -> float:
-        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call's
-        usage and cost go on a usage row of its own, under the guardrail's user path (not the caller's)."""
+        """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call runs
+        as the guardrail's own caller (its ``user_path``): under that path's rate limits and budgets, and on a usage
+        row of its own (request type ``guardrail``), never charged to the caller being judged."""
         request = DecisionRequest(input=(Message("user", (Text(text),)),), questions=(judge_question(guardrail),),
                                   model=guardrail.model)
-        name = self.router.resolve_name(guardrail.model, strict=True)
-        tried: list[Target] = []
-        started = time.perf_counter()
-        result: DecisionResult | None = None
-        failure: BaseException | None = None
+        caller = Caller(name=f"guardrail:{guardrail.name}", user_path=guardrail.user_path)
+        context = Context(request_id, "decide", "guardrail", caller, strict_model=True)
+        context.resolved_model = self.router.resolve_name(guardrail.model, strict=True, internal=True)
+        status: int = 500
+        code: str | None = "judge_failed"
+        result: Any = None
         try:
-            result = await self.router.decide(request, name, _tracking(tried))
-        except BaseException as error:  # recorded, then raised on to the guardrail's fail_mode
-            failure = error
+            result = await self.judge_pipeline.run(context, request)
+            status, code = 200, None
+        except DecisionError as error:  # recorded, then raised on to the guardrail's fail_mode
+            status, code = error.status, error.code
+            raise
+        except asyncio.CancelledError:  # the guardrail's timeout_ms ran out
+            status, code = 504, "guardrail_timeout"
             raise
         finally:
-            self._record_judge(guardrail, request_id, name, tried, result, failure, started)
-        answer = result.answers[0]
-        if answer.refusal:
-            raise RuntimeError(f"the judge model {guardrail.model!r} did not answer")
-        return answer.probabilities[0]
+            self.record("guardrail", context, status, code, result, None, None, guardrail=guardrail.name)
+        if not isinstance(result, DecisionResult) or result.answers[0].refusal:
+            raise ProviderError(f"the judge model {guardrail.model!r} did not answer", code="judge_refused")
+        return result.answers[0].probabilities[0]
 
     async def _route(self, context: Context, request: Any) -> Any:
         tokens = estimated_tokens(request)
@@ -143,30 +185,52 @@ class Gateway:
 
         if context.resolved_model is None:
             raise ServerError("the pipeline reached the router without a resolved model")
-        if isinstance(request, ChatRequest):  # no failover: the chat target of the model, its own limits at its gate
-            target = self.router.chat_target(context.resolved_model)
-            chat: ChatResult = await forward_chat(request, target, gate(target))
+        if isinstance(request, ChatRequest):  # failover until the first byte; each target's limits at its gate
+            try:
+                chat: ChatResult = await self.router.chat(request, context.resolved_model, gate, context.deadline)
+            except asyncio.CancelledError:  # the client left mid-stream: what was relayed is still charged
+                if request.partial is not None:
+                    self._priced(context, tried, request.partial.usage, "chat")
+                raise
             self._priced(context, tried, chat.usage, "chat")
             return chat
         if isinstance(request, ScoreRequest):
             score: ScoreResult = await self.router.score(request, context.resolved_model, gate)
             self._priced(context, tried, Usage(input_tokens=score.prompt_tokens), "local")
             return score
-        result: DecisionResult = await self.router.decide(request, context.resolved_model, gate)
-        self._priced(context, tried, result.usage, result.provider_format)
+        steps: list[Step] = []  # a cascade's calls, each priced by its own target
+        try:
+            result: DecisionResult = await self.router.decide(request, context.resolved_model, gate, steps.append)
+        finally:
+            _cascaded(context, steps, len(request.questions))
+        if not steps:
+            self._priced(context, tried, result.usage, result.provider_format)
         return result
 
-    async def answer_openai(self, body: Any, caller: Caller | None = None,
-                            request_id: str | None = None) -> dict[str, Any]:
-        """Answer an OpenAI-shaped decision body through the pipeline, as ``POST /v1/decisions`` would: the response
-        body, or a raised ``DecisionError``. What the library, the MCP tools and ``decisiond decide`` share."""
-        request = openai_dialect.parse_request(body)
+    async def answer_openai(self, body: Any, caller: Caller | None = None, request_id: str | None = None,
+                            request_type: str = "decisions") -> dict[str, Any]:
+        """Answer an OpenAI-shaped decision body through the whole pipeline as ``caller``, as ``POST /v1/decisions``
+        would, and leave its usage row (``request_type``: ``mcp`` for MCP tool calls): the response body, or a raised
+        ``DecisionError``. What the library and the MCP tools share."""
         context = Context(request_id or "lib_" + uuid.uuid4().hex, "decide", openai_dialect.DIALECT_NAME,
                           caller or Caller(), strict_model=True)
-        result = await self.pipeline.run(context, request)
-        if not isinstance(result, DecisionResult):
-            raise ServerError(f"the pipeline answered a decision with a {type(result).__name__}")
-        return openai_dialect.render_response(result, request)
+        status: int = 500
+        code: str | None = ServerError.code
+        result: Any = None
+        rendered: dict[str, Any] | None = None
+        try:
+            request = openai_dialect.parse_request(body)
+            result = await self.pipeline.run(context, request)
+            if not isinstance(result, DecisionResult):
+                raise ServerError(f"the pipeline answered a decision with a {type(result).__name__}")
+            rendered = openai_dialect.render_response(result, request)
+            status, code = 200, None
+            return rendered
+        except DecisionError as error:
+            status, code = error.status, error.code
+            raise
+        finally:
+            self.record(request_type, context, status, code, result, body, rendered)
 
     @staticmethod
     def _priced(context: Context, tried: list[Target], usage: Usage, provider_format: str) -> None:
@@ -174,19 +238,29 @@ class Gateway:
             context.answered_by, context.cost = _answered(tried, usage, provider_format)
 
     def record(self, request_type: str, context: Context, status: int, error_code: str | None, result: Any,
-               document: Any, body: Any) -> None:
-        """Hand one request's usage record to the background writer (never waits, never fails the request; a no-op
-        without a database). ``request_type``: decisions, system_one, score, chat or responses; ``document`` and
-        ``body``: the request and response bodies, kept (redacted) only with ``audit.log_bodies``."""
+               document: Any, body: Any, guardrail: str | None = None) -> None:
+        """Journal one request's usage record for the background writer, before its response leaves (never waits,
+        never fails the request; a no-op without a database). ``request_type``: one of ``usage.REQUEST_TYPES``;
+        ``document`` and ``body``: the request and response bodies, kept (redacted) only with
+        ``audit.log_bodies``; ``guardrail``: the guardrail a judge call was made for."""
         if self.usage is None:
+            return
+        if len(context.calls) > 1:  # a cascade's calls: one row each, under the request's id (bodies on the first)
+            for n, call in enumerate(context.calls):
+                part = dataclasses.replace(context, calls=[], targets_tried=call.targets_tried,
+                                           answered_by=call.answered_by, cost=call.cost)
+                answer = DecisionResult(call.model or "", [], call.usage) if call.usage is not None else None
+                self.record(request_type, part, status, error_code, answer, document if n == 0 else None,
+                            body if n == 0 else None, guardrail)
             return
         answered = isinstance(result, (DecisionResult, ChatResult))
         usage = result.usage if answered else None
         audit = self.config.audit
         provider, model = context.answered_by or (None, None)
         outcomes = dict(context.outcomes)
-        if isinstance(result, ChatResult) and not result.reported:
-            outcomes["usage"] = "not reported by the upstream"
+        estimated = isinstance(result, ChatResult) and result.estimated
+        if estimated:
+            outcomes["usage"] = "estimated: not reported by the upstream"
         try:
             self.usage.submit(UsageRecord(
                 time=datetime.now(timezone.utc), request_id=context.request_id, key_id=context.caller.key_id,
@@ -199,39 +273,31 @@ class Gateway:
                 output_tokens=usage.output_tokens if usage is not None else 0,
                 cost=context.cost or 0.0, status=status, error_code=error_code,
                 latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
-                guardrail=_guardrail_summary(outcomes), outcomes=outcomes or None,
+                estimated=estimated, guardrail=guardrail or _guardrail_summary(outcomes), outcomes=outcomes or None,
                 request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
                 response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
 
-    def _record_judge(self, guardrail: GuardrailConfig, request_id: str, name: str, tried: list[Target],
-                      result: DecisionResult | None, failure: BaseException | None, started: float) -> None:
-        """Hand one judge call's usage row to the writer (no-op without a database; never fails the call)."""
-        if self.usage is None:
-            return
-        usage = result.usage if result is not None else Usage()
-        answered_by, cost = _answered(tried, usage, result.provider_format) if result is not None and tried \
-            else ((None, None), 0.0)
-        if failure is None:
-            status, code = 200, None
-        elif isinstance(failure, DecisionError):
-            status, code = failure.status, failure.code
-        elif isinstance(failure, asyncio.CancelledError):  # the guardrail's timeout_ms ran out
-            status, code = 504, "guardrail_timeout"
-        else:
-            status, code = 502, "judge_failed"
-        try:
-            self.usage.submit(UsageRecord(
-                time=datetime.now(timezone.utc), request_id=request_id, key_id=None, user_path=guardrail.user_path,
-                request_type="guardrail", dialect=None, requested_model=guardrail.model, resolved_model=name,
-                provider=answered_by[0], model=answered_by[1],
-                upstream_model=result.model if result is not None else None, attempts=len(tried),
-                targets=[t.name for t in tried], input_tokens=usage.input_tokens, cached_tokens=usage.cached_tokens,
-                output_tokens=usage.output_tokens, cost=cost, status=status, error_code=code,
-                latency_ms=round((time.perf_counter() - started) * 1000, 2), guardrail=guardrail.name))
-        except Exception:  # a record must never fail the guardrail
-            log.exception("judge usage record not built", extra={"request_id": request_id})
+
+async def _open_database(url: str | None, setting: str) -> Database:
+    try:
+        return await Database.open(url)
+    except (ValueError, ArgumentError) as error:  # a URL decisiond cannot use
+        raise ConfigError(f"{setting}: {error}") from None
+    except Exception as error:  # unreachable, refused, no such database, not migratable
+        shown = make_url(url).render_as_string(hide_password=True) if url else "the default SQLite file"
+        raise ConfigError(f"{setting}: cannot open {shown}: {one_line(error)}") from None
+
+
+def _open_journal(configured: str | None, database_url: str | None) -> Journal:
+    directory, setting = _setting(configured, "usage_journal", USAGE_JOURNAL_ENV)
+    path = Path(directory) if directory else default_directory(database_url)
+    try:
+        return Journal.open(path)
+    except OSError as error:
+        raise ConfigError(f"{setting}: cannot write the usage journal in {path}: "
+                          f"{error.strerror or one_line(error)}") from None
 
 
 def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[tuple[str, str], float]:
@@ -241,18 +307,23 @@ def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[
     return (target.provider.name, target.name), pricing.cost(target.price, usage, provider_format)
 
 
+def _cascaded(context: Context, steps: list[Step], questions: int) -> None:
+    """A cascade's calls (``gateway.cascade``) on the context: its cost (their sum, also when a later call failed),
+    the target of its last answer, ``x-decisiond-escalated`` and one ``Call`` per usage row."""
+    if not steps:
+        return
+    context.calls = [Call([t.name for t in s.tried], _name(s.answered_by), s.result.usage if s.result else None,
+                          s.result.model if s.result else None, s.cost) for s in steps]
+    context.cost = math.fsum(call.cost for call in context.calls)
+    context.answered_by = next((c.answered_by for c in reversed(context.calls) if c.answered_by), None)
+    context.response_headers[ESCALATED_HEADER] = f"{escalated(steps)} of {questions}"
+
+
+def _name(target: Target | None) -> tuple[str, str] | None:
+    return (target.provider.name, target.name) if target is not None else None
+
+
 def _guardrail_summary(outcomes: dict[str, str]) -> str | None:
     """``pii=redact (redacted email); words=warn`` from the guardrail stage's per-guardrail outcomes."""
     parts = [f"{k.removeprefix('guardrail:')}={v}" for k, v in outcomes.items() if k.startswith("guardrail:")]
     return "; ".join(parts)[:500] if parts else outcomes.get("guardrails")
-
-
-def _tracking(tried: list[Target]) -> Gate:
-    """A gate that admits every attempt and notes its target in ``tried``."""
-
-    @contextlib.asynccontextmanager
-    async def gate(target: Target) -> AsyncIterator[None]:
-        tried.append(target)
-        yield None
-
-    return gate

@@ -15,17 +15,38 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    field_validator,
     model_validator,
 )
 
-from ..limits import CACHE_MAX_BYTES, CACHE_TTL_S
+from ..limits import (
+    BUDGET_RESERVATION_TTL_S,
+    CACHE_MAX_BYTES,
+    CACHE_TTL_S,
+    CONCURRENCY_SLOT_TTL_S,
+    DEFAULT_MAX_OUTPUT_TOKENS,
+)
 from .pricing import Pricing
+from .virtual import VirtualModelConfig, check_chains
 
-MAX_CHAIN_DEPTH = 8
 # Under the TypeSafe SDK's 10 s per call, so that its retry never races an attempt still running here.
 DEFAULT_DEADLINE = 9.5
 
 TYPESAFE_HOSTED = "https://api.typesafe.ai"
+# What the rate limiter (``limits``' Redis storage) and the cache (redis-py) can both connect to.
+REDIS_SCHEMES = ("redis", "rediss")
+
+
+def check_redis_url(url: str | None) -> str | None:
+    """A Redis URL is ``redis://`` or ``rediss://`` (``async+`` in front is taken too); else a ValueError naming the
+    scheme it has (never the URL, which may hold a password)."""
+    if not url:
+        return None
+    scheme, sep, _ = url.removeprefix("async+").partition("://")
+    if not sep or scheme.lower() not in REDIS_SCHEMES:
+        raise ValueError("a Redis URL must start with redis:// or rediss://, not "
+                         + (f"{scheme}://" if sep else "a name without a scheme"))
+    return url
 
 
 class Limits(BaseModel):
@@ -135,6 +156,19 @@ class RateLimitConfig(BaseModel):
         return all(v is None for k, v in self.model_dump().items() if k != "window_seconds")
 
 
+class ChatTimeouts(BaseModel):
+    """How long chat traffic may wait on a provider, apart from decision timeouts: a completion takes as long as it
+    takes (no overall cap but the client's ``x-decisiond-timeout-ms``), so only connecting, the first byte of the
+    answer (for a non-streamed answer, most upstreams send nothing before it is complete) and each silence between
+    chunks are bounded. Past one before the client's first byte, the next target of a virtual model is tried."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+
+
 class ProviderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -154,6 +188,8 @@ class ProviderConfig(BaseModel):
     # leaves a failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
     timeout: float = Field(default=4.0, gt=0)
     connect_timeout: float = Field(default=2.0, gt=0)
+    # Chat traffic's own timeouts (connect, first byte, between chunks).
+    chat: ChatTimeouts = Field(default_factory=ChatTimeouts)
     # Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``).
     images: bool | None = None
     limits: Limits | None = None
@@ -177,28 +213,10 @@ class ModelConfig(BaseModel):
     rate_limits: RateLimitConfig | None = None
     guardrails: list[str] = Field(default_factory=list)
     pricing: Pricing | None = None
+    # The most output tokens an answer may bill when the request sets no max_tokens of its own (budgets reserve it).
+    max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
     # Whether its answers are cached; None leaves it to its provider.
     cache: bool | None = None
-
-
-class VirtualModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    strategy: Literal["failover", "alias"] = "failover"
-    targets: list[str] = Field(min_length=1)
-    # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
-    deadline: float | None = Field(default=None, gt=0)
-    attempt_timeout: float | None = Field(default=None, gt=0)
-    guardrails: list[str] = Field(default_factory=list)
-    # Whether answers asked under this name are cached; None leaves it to the target that answers.
-    cache: bool | None = None
-
-    @model_validator(mode="after")
-    def _alias_has_one(self) -> "VirtualModelConfig":
-        if self.strategy == "alias" and len(self.targets) != 1:
-            raise ValueError(f"alias {self.name!r} must have exactly one target")
-        return self
 
 
 class StaticKeyConfig(BaseModel):
@@ -243,6 +261,8 @@ class CacheConfig(BaseModel):
     max_bytes: int = Field(default=CACHE_MAX_BYTES, ge=0)
     # Entries shared by several replicas (redis://…); in-process memory only when unset.
     redis_url: str | None = Field(default=None, repr=False)
+
+    _redis_url = field_validator("redis_url")(check_redis_url)
 
 
 class UserPathLimit(RateLimitConfig):
@@ -300,6 +320,9 @@ class GatewayConfig(BaseModel):
     database_url: str | None = None
     # Shared rate-limit counters for several replicas; in-process memory when unset.
     redis_url: str | None = None
+    # The directory of the usage journal (``gateway.journal``): by default beside the SQLite file, else in the data
+    # directory (one per database). A local disk: records wait there until the database has them.
+    usage_journal: str | None = None
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
@@ -310,12 +333,26 @@ class GatewayConfig(BaseModel):
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
     budgets: list[BudgetConfig] = Field(default_factory=list)
     # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
-    # their usage rows wait in the writer's queue) or refused with 503 ("refuse").
+    # their usage rows wait in the usage journal) or refused with 503 ("refuse").
     budgets_when_database_down: Literal["admit", "refuse"] = "admit"
+    # Seconds after which a budget reservation that was never settled (its replica crashed) is released.
+    budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, gt=0)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
     # name); defaults to the first local provider's model.
     default_model: str | None = None
+    # Whether a request may name ``<provider>/<upstream>`` that no model entry covers (a raw upstream, with no policy
+    # of its own); even then only keys whose allowlist names it may use one (see gateway.catalog).
+    allow_raw_upstreams: bool = False
+    # Seconds a concurrency slot held in Redis lives: a replica that dies holding slots frees them after this long.
+    concurrency_slot_ttl_s: float = Field(default=CONCURRENCY_SLOT_TTL_S, gt=0)
+    # Whether /openapi.json, /docs and /redoc answer without a key when keys are configured.
+    public_docs: bool = False
+    # Host names (besides loopback names and the address it serves on) a server without keys answers to: the
+    # Host header of every request must name one, so that DNS rebinding cannot reach an open server ("*": any).
+    allowed_hosts: list[str] = Field(default_factory=list)
+
+    _redis_url = field_validator("redis_url")(check_redis_url)
 
     @model_validator(mode="after")
     def _consistent(self) -> "GatewayConfig":
@@ -340,28 +377,3 @@ class GatewayConfig(BaseModel):
             if unknown is not None:
                 raise ValueError(f"{owner} names unknown guardrail {unknown!r}")
         return self
-
-
-def known_model(config: GatewayConfig, name: str) -> bool:
-    if any(m.name == name for m in config.models) or any(v.name == name for v in config.virtual_models):
-        return True
-    provider, _, upstream = name.partition("/")
-    return bool(upstream) and any(p.name == provider for p in config.providers)
-
-
-def check_chains(config: GatewayConfig) -> None:
-    """Virtual models must name known models, form no cycle, and nest at most ``MAX_CHAIN_DEPTH`` deep."""
-    virtual = {v.name: v for v in config.virtual_models}
-
-    def depth(name: str, path: tuple[str, ...]) -> int:
-        if name in path:
-            raise ValueError(f"virtual models form a cycle: {' -> '.join(path + (name,))}")
-        if name not in virtual:
-            if not known_model(config, name):
-                raise ValueError(f"virtual model {path[-1]!r} names unknown model {name!r}")
-            return 0
-        return 1 + max(depth(t, path + (name,)) for t in virtual[name].targets)
-
-    for name in virtual:
-        if depth(name, ()) > MAX_CHAIN_DEPTH:
-            raise ValueError(f"virtual model {name!r} nests more than {MAX_CHAIN_DEPTH} levels deep")

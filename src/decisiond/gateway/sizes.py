@@ -5,6 +5,7 @@ the input-token estimate the rate limits and budgets reserve before a call. A re
 
 from __future__ import annotations
 
+import json
 import math
 
 from .. import limits as table
@@ -50,19 +51,30 @@ def check_openai(request: DecisionRequest) -> None:
                 check_json_limits(part.data, part.source)
 
 
-def question_tokens(request: DecisionRequest) -> list[int]:
-    """Tokens of each question's prompt (the input counted once per question), at 4 characters a token."""
-    def placeholder(image: Image) -> str:
-        return "<image>"
+def _placeholder(image: Image) -> str:
+    return "<image>"
 
-    state = len(render_input(request.input, placeholder))
-    counts = []
+
+def _question_sizes(request: DecisionRequest) -> list[tuple[int, int]]:
+    """Each question's prompt text — the input (once per question), the instructions, the options or levels — as
+    (characters, UTF-8 bytes), measured without copying the input once per question (a 10 MB input asked 400
+    questions would be 4 GB of copies)."""
+    state = render_input(request.input, _placeholder)
+    chars, size = len(state), _bytes(state)
+    sizes = []
     for q in request.questions:
-        chars = state + len(question_text(q, placeholder))
-        chars += sum(len(o.name) + len(str(o.description or "")) for o in q.options)
-        chars += sum(len(str(lv.label)) + len(str(lv.description or "")) for lv in q.levels)
-        counts.append(math.ceil(chars / CHARS_PER_TOKEN))
-    return counts
+        parts = [question_text(q, _placeholder)]
+        parts += [o.name + str(o.description or "") for o in q.options]
+        parts += [str(lv.label) + str(lv.description or "") for lv in q.levels]
+        rest = "".join(parts)
+        sizes.append((chars + len(rest), size + _bytes(rest)))
+    return sizes
+
+
+def question_tokens(request: DecisionRequest) -> list[int]:
+    """Tokens of each question's prompt (the input counted once per question), at 4 characters a token: the
+    estimate providers' limits are checked with (the way TypeSafe publishes them)."""
+    return [math.ceil(chars / CHARS_PER_TOKEN) for chars, _ in _question_sizes(request)]
 
 
 def check_provider(request: DecisionRequest, limits: Limits, provider: str) -> None:
@@ -97,3 +109,44 @@ def estimated_tokens(request: DecisionRequest | ScoreRequest | ChatRequest) -> i
     if isinstance(request, ScoreRequest):
         return sum(len(p) if isinstance(p, tuple) else math.ceil(len(p) / CHARS_PER_TOKEN) for p in request.prompts)
     return sum(question_tokens(request))
+
+
+# The worst case a request can cost, for budget reservations (``stages.budget``). Input tokens are bounded by bytes:
+# a byte-level BPE token spans at least one byte of UTF-8 text, so no tokenizer counts more tokens than bytes, plus
+# the special tokens a chat template wraps each message or question in (PROMPT_OVERHEAD_TOKENS) and an image's
+# tokens (IMAGE_TOKENS, above what OpenAI bills for a 2048x2048 image at high detail). A local model counts exactly
+# (``Provider.input_tokens``).
+PROMPT_OVERHEAD_TOKENS = 32
+IMAGE_TOKENS = 2_000
+# Output a decision answer may bill, per question (System One and local answers report a few tokens a question).
+DECISION_OUTPUT_TOKENS = 16
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def _bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def max_input_tokens(request: DecisionRequest | ScoreRequest | ChatRequest) -> int:
+    """No tokenizer counts more input tokens than this for ``request`` (see above)."""
+    if isinstance(request, ChatRequest):
+        images = json.dumps(request.body.get("messages") or request.body.get("input") or []).count('"image_url"')
+        texts = request.texts()
+        return sum(_bytes(t) for t in texts) + PROMPT_OVERHEAD_TOKENS * (len(texts) + 1) + IMAGE_TOKENS * images
+    if isinstance(request, ScoreRequest):
+        return sum(len(p) if isinstance(p, tuple) else _bytes(p) + PROMPT_OVERHEAD_TOKENS for p in request.prompts)
+    images = len(request.images())
+    return sum(size + PROMPT_OVERHEAD_TOKENS for _, size in _question_sizes(request)) + IMAGE_TOKENS * images
+
+
+def max_output_tokens(request: DecisionRequest | ScoreRequest | ChatRequest, model_default: int) -> int:
+    """The output tokens ``request`` can still make its model produce: a chat request's own ``max_tokens`` /
+    ``max_completion_tokens`` / ``max_output_tokens`` when it sets one, else the model's ``max_output_tokens``; a
+    decision's few tokens a question; none for ``/v1/score``."""
+    if isinstance(request, ChatRequest):
+        asked = [v for k in _OUTPUT_FIELDS if isinstance(v := request.body.get(k), int) and not isinstance(v, bool)
+                 and v >= 0]
+        return min(asked) if asked else model_default
+    if isinstance(request, ScoreRequest):
+        return 0
+    return DECISION_OUTPUT_TOKENS * len(request.questions)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
 
-from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
+from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
 from .chat import ChatRequest, ChatResult
 from .settings import RateLimitConfig
 
@@ -30,6 +30,18 @@ class Caller:
     master: bool = False
     # Guardrails attached to the key (names from the config), run on top of the model's.
     guardrails: tuple[str, ...] = ()
+
+
+@dataclass
+class Call:
+    """One upstream call of a request that makes several (a cascade's steps), for its own usage row: the targets it
+    tried, the one that answered (provider, name), its usage, the upstream model and its cost."""
+
+    targets_tried: list[str]
+    answered_by: tuple[str, str] | None = None
+    usage: Usage | None = None
+    model: str | None = None
+    cost: float = 0.0
 
 
 @dataclass
@@ -57,6 +69,10 @@ class Context:
     answered_by: tuple[str, str] | None = None
     cost: float | None = None
     cache_hit: bool = False
+    # A cascade's calls, one usage row each (empty for a request answered in one call).
+    calls: list[Call] = field(default_factory=list)
+    # When the client stops waiting (``time.monotonic()``; ``x-decisiond-timeout-ms``), for stages that enforce it.
+    deadline: float | None = None
     # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
     request_headers: Mapping[str, str] = field(default_factory=dict)
 

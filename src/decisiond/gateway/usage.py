@@ -1,44 +1,29 @@
-"""Usage records: one row per request, written off the request path by a bounded background writer.
-
-``UsageWriter.submit(record)`` never waits and never fails: the record joins an in-memory buffer (at most
-``limits.USAGE_QUEUE_MAX`` records) that a background task writes in batches of ``limits.USAGE_BATCH`` rows, one
-transaction a batch. When the database cannot be reached, the batch stays in the buffer and is retried with a
-growing pause (up to ``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. Only when the buffer is full
-is a record dropped — counted in ``lost`` and logged. ``aclose()`` flushes what is buffered (for up to
-``USAGE_FLUSH_TIMEOUT_S``), so a clean stop loses nothing while the database is up.
-
-The queries behind the admin API (summary, daily, audit) and ``GET /v1/usage`` live here too, as does the
-redaction of logged bodies and the retention purge.
-"""
+"""Usage records: what one row says (``UsageRecord``), the redaction of logged bodies, and the queries behind the
+admin API (summary, daily, audit) and ``GET /v1/usage``. Writing them is ``usage_writer``'s (through the journal,
+``journal``)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..limits import USAGE_BATCH, USAGE_FLUSH_TIMEOUT_S, USAGE_PURGE_INTERVAL_S, USAGE_QUEUE_MAX, USAGE_RETRY_MAX_S
+from ..errors import REDACTED, scrub
 from ..store.db import Database
 from ..store.tables import UsageRow
 
-log = logging.getLogger("decisiond.usage")
-
 # "guardrail": a decision_judge guardrail's call to its judge model, under the guardrail's own user path;
 # "chat", "responses": guarded chat traffic (/v1/chat/completions, /v1/responses).
-REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses")
+REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp")
 # Group-by names of the admin summaries → usage columns.
 GROUPS = {"key": "key_id", "user_path": "user_path", "model": "model", "provider": "provider",
           "request_type": "request_type", "resolved_model": "resolved_model", "status": "status"}
 # Always redacted from logged bodies, at any depth (case-insensitive).
 SECRET_FIELDS = frozenset({"authorization", "api_key", "api-key", "apikey", "key", "secret", "password", "token",
                            "access_token", "x-api-key"})
-REDACTED = "[redacted]"
 
 
 @dataclass
@@ -64,6 +49,7 @@ class UsageRecord:
     error_code: str | None
     latency_ms: float
     cache_hit: bool = False
+    estimated: bool = False
     guardrail: str | None = None
     outcomes: dict[str, str] | None = None
     request_body: Any = None
@@ -74,7 +60,8 @@ class UsageRecord:
 
 
 def redact(value: Any, fields: Iterable[str] = ()) -> Any:
-    """``value`` with every field named in SECRET_FIELDS or ``fields`` (any depth, any case) replaced."""
+    """``value`` with every field named in SECRET_FIELDS or ``fields`` (any depth, any case) replaced, and anything
+    shaped like a credential inside free text (``Bearer …``, ``sk-…``, ``api_key=…``) cut out (``errors.scrub``)."""
     names = SECRET_FIELDS | {f.lower() for f in fields}
 
     def walk(v: Any) -> Any:
@@ -82,118 +69,11 @@ def redact(value: Any, fields: Iterable[str] = ()) -> Any:
             return {k: REDACTED if str(k).lower() in names else walk(x) for k, x in v.items()}
         if isinstance(v, list):
             return [walk(x) for x in v]
+        if isinstance(v, str):
+            return scrub(v)
         return v
 
     return walk(value)
-
-
-@dataclass
-class UsageWriter:
-    db: Database
-    retention_days: int | None = None
-    queue_max: int = USAGE_QUEUE_MAX
-    buffer: list[dict[str, Any]] = field(default_factory=list)
-    lost: int = 0
-    written: int = 0
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _closing: bool = False
-    _task: asyncio.Task[None] | None = None
-    _purger: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="usage-writer")
-        if self.retention_days is not None:
-            self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
-
-    def submit(self, record: UsageRecord) -> None:
-        if len(self.buffer) >= self.queue_max:
-            self.lost += 1
-            if self.lost == 1 or self.lost % 1000 == 0:
-                log.error("usage record dropped: the writer's queue is full (database unreachable?)",
-                          extra={"lost": self.lost, "queue_max": self.queue_max, "request_id": record.request_id})
-            return
-        self.buffer.append(record.row())
-        self._wake.set()
-
-    async def _write(self) -> None:
-        batch = self.buffer[:USAGE_BATCH]
-        async with self.db.session() as session, session.begin():
-            await session.execute(insert(UsageRow), batch)
-        del self.buffer[:len(batch)]
-        self.written += len(batch)
-
-    async def _run(self) -> None:
-        pause = 0.25
-        while True:
-            if not self.buffer:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                await self._write()
-                pause = 0.25
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                if self._closing:
-                    raise
-                log.warning("usage records not written yet: database unavailable; retrying",
-                            extra={"pending": len(self.buffer), "retry_in_s": pause,
-                                   "error": f"{type(error).__name__}: {str(error)[:200]}"})
-                try:
-                    await asyncio.wait_for(self._closing_event(), pause)
-                except asyncio.TimeoutError:
-                    pass
-                pause = min(pause * 2, USAGE_RETRY_MAX_S)
-
-    async def _closing_event(self) -> None:
-        while not self._closing:
-            await asyncio.sleep(0.05)
-
-    async def aclose(self) -> None:
-        """Write what is buffered (retrying until USAGE_FLUSH_TIMEOUT_S), then stop."""
-        if self._purger is not None:
-            self._purger.cancel()
-        self._closing = True
-        self._wake.set()
-        deadline = time.monotonic() + USAGE_FLUSH_TIMEOUT_S
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), USAGE_FLUSH_TIMEOUT_S)
-            except Exception:
-                pass
-            self._task.cancel()
-        while self.buffer and time.monotonic() < deadline:
-            try:
-                await self._write()
-            except Exception:
-                await asyncio.sleep(0.5)
-        if self.buffer:
-            self.lost += len(self.buffer)
-            log.error("usage records lost at shutdown: the database could not be reached",
-                      extra={"lost": len(self.buffer)})
-            self.buffer.clear()
-
-    async def _purge_loop(self) -> None:
-        while True:
-            try:
-                await self.purge()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("usage retention purge failed", extra={"error": f"{type(error).__name__}: {error}"})
-            await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
-
-    async def purge(self) -> int:
-        """Delete rows older than ``retention_days``; returns how many."""
-        if self.retention_days is None:
-            return 0
-        cutoff = datetime.now(timezone.utc) - timedelta(days=self.retention_days)
-        async with self.db.session() as session, session.begin():
-            result = await session.execute(delete(UsageRow).where(UsageRow.time < cutoff))
-        return int(getattr(result, "rowcount", 0) or 0)
 
 
 # ------------------------------------------------------------------------------------------------- queries

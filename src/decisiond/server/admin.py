@@ -53,7 +53,8 @@ MAX_KEY_GUARDRAILS = 50
 
 class KeyCreate(StrictModel):
     name: str = Field(min_length=1, max_length=200)
-    user_path: str = "/"
+    # None: a path of the key's own (``/keys/<id>``), never ``/``.
+    user_path: str | None = None
     models: list[str] | None = Field(default=None, max_length=MAX_MODEL_PATTERNS)
     rate_limits: RateLimitConfig | None = None
     guardrails: list[str] = Field(default_factory=list, max_length=MAX_KEY_GUARDRAILS)
@@ -62,8 +63,8 @@ class KeyCreate(StrictModel):
 
     @field_validator("user_path")
     @classmethod
-    def _path(cls, value: str) -> str:
-        return check_user_path(value)
+    def _path(cls, value: str | None) -> str | None:
+        return check_user_path(value) if value is not None else None
 
     @field_validator("models")
     @classmethod

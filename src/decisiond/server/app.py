@@ -18,6 +18,7 @@ from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..version import __version__
 from . import admin, chat, pages
 from . import mcp as mcp_server
+from .guard import AccessGuard
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import RequestContext
 from .routes import ROUTES, endpoint
@@ -27,12 +28,15 @@ from .routes import ROUTES, endpoint
 class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout: float = BODY_READ_TIMEOUT_S
+    # The address served on (``serve --host``): a name a server without keys answers to (``guard``).
+    host: str | None = None
 
 
 def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
     gateway = gateway or Gateway(router)
+    settings = settings or Settings()
     mcp = mcp_server.build(gateway)
-    mcp_endpoint = mcp_server.http_endpoint(mcp, gateway)
+    mcp_endpoint = mcp_server.http_endpoint(mcp, gateway, settings.max_body_bytes, settings.body_read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,8 +50,9 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app = FastAPI(title="decisiond", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.state.gateway = gateway
-    app.state.settings = settings or Settings()
-    app.state.metrics = metrics = Metrics(router)
+    app.state.settings = settings
+    app.state.metrics = metrics = Metrics(router, gateway)
+    app.add_middleware(AccessGuard)  # innermost of the three: its refusals are counted and logged
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
     app.add_middleware(RequestContext)
     _add_decision_routes(app)

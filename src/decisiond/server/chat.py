@@ -3,12 +3,14 @@ providers (``openai``, ``azure``) through the gateway's pipeline, so behind the 
 budgets and prompt guardrails as decisions, and with one usage record each (request type ``chat`` or
 ``responses``) carrying the upstream's tokens and their cost. The body goes upstream as sent (model replaced,
 redactions applied); the answer — server-sent events included — comes back as the upstream sends it, unbuffered
-(``gateway.passthrough`` reads its usage on the way). Errors are OpenAI-shaped."""
+(``gateway.chat.ChatStream`` reads its usage on the way), from the first target of the model that answers before the
+client has a byte (``Router.chat``). Errors are OpenAI-shaped."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,11 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..dialects import openai as openai_dialect
-from ..errors import ClientGone, DecisionError, ServerError, invalid
+from ..errors import ClientGone, DecisionError, Timeout, invalid
 from ..gateway.chat import ROUTES, ChatRequest, ChatResult, Relay, Slot
 from ..gateway.service import Gateway
 from ..gateway.types import Context
+from .middleware import INTERNAL_ERROR
 from .payload import read_payload
+from .routes import TIMEOUT_HEADER, authenticate, client_timeout
 
 log = logging.getLogger("decisiond.chat")
 router = APIRouter()
@@ -60,7 +64,9 @@ def _error(error: DecisionError, *header_sets: dict[str, str]) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-INTERNAL_ERROR = ServerError("Internal server error.")
+def _deadline(timeout: float | None) -> DecisionError:
+    return Timeout(f"the request was not answered within the {(timeout or 0) * 1000:.0f} ms its {TIMEOUT_HEADER} "
+                   "header allows")
 
 
 def _parse(route: str, document: Any, relay: Relay) -> ChatRequest:
@@ -80,6 +86,7 @@ async def _run(gateway: Gateway, route: str, context: Context, document: Any, re
     code: str | None = INTERNAL_ERROR.code
     result: ChatResult | None = None
     body: Any = None
+    request: ChatRequest | None = None
     try:
         request = _parse(route, document, relay)
         fields["model"] = request.model
@@ -87,19 +94,22 @@ async def _run(gateway: Gateway, route: str, context: Context, document: Any, re
         if not isinstance(answered, ChatResult):
             raise TypeError(f"the pipeline answered chat traffic with a {type(answered).__name__}")
         result = answered
-        status, code, body = result.status, None, result.document
+        status, body = result.status, result.document
+        code = result.failure.code if result.failure is not None else None  # a stream that ended early
         return result
     except DecisionError as error:
         status, body = openai_dialect.render_error(error)
         code = error.code
         raise
-    except asyncio.CancelledError:  # the client went away while the answer streamed
+    except asyncio.CancelledError:  # the client went away while the answer streamed: charged what was relayed
         status, code = ClientGone.status, ClientGone.code
+        result = request.partial if request is not None else None
         raise
     except Exception:
         log.exception("unhandled error", extra={"request_id": context.request_id})
         raise
     finally:
+        relay.close()
         gateway.record(ROUTES[route], context, status, code, result, document, body)
 
 
@@ -125,33 +135,38 @@ class _Relayed(StreamingResponse):
 
 
 async def forward(request: Request, route: str) -> Response:
+    """Authenticate, read, and run the request through the pipeline until its answer starts; then relay it. The
+    client's ``x-decisiond-timeout-ms`` bounds the whole exchange: before the answer starts, a 504; after, the
+    stream ends with an error event (``gateway.forward``)."""
     gateway: Gateway = request.app.state.gateway
     settings = request.app.state.settings
     fields = request.state.log
     fields["dialect"] = dialect = "openai_" + route.replace("/", "_")
     try:
-        caller = await gateway.auth.authenticate(request.headers)
-        if caller.key_id is not None:
-            fields["key_id"] = caller.key_id
-        fields["user_path"] = caller.user_path
+        caller = await authenticate(request)
+        timeout = client_timeout(request)
         payload = await read_payload(request, settings.max_body_bytes, settings.body_read_timeout)
     except DecisionError as error:
         fields["error_code"] = error.code
         return _error(error)
-    context = Context(request.state.request_id, "chat", dialect, caller, request_headers=request.headers)
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    context = Context(request.state.request_id, "chat", dialect, caller, request_headers=request.headers,
+                      deadline=deadline)
     relay = Relay()
     work = asyncio.create_task(_run(gateway, route, context, payload.document, relay, fields))
     started = asyncio.ensure_future(relay.started.wait())
     try:
-        await asyncio.wait({work, started}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work.cancel()
         raise
     finally:
         started.cancel()
-    if not relay.started.is_set():  # refused, or failed before the upstream answered
+    if not relay.started.is_set():  # refused, failed before the upstream answered, or out of time
+        if not work.done():
+            work.cancel()
         await asyncio.wait({work})
-        failure = work.exception() if not work.cancelled() else None
+        failure = work.exception() if not work.cancelled() else _deadline(timeout)
         refusal = failure if isinstance(failure, DecisionError) else INTERNAL_ERROR
         fields.update(error_code=refusal.code, outcomes=context.outcomes or None)
         return _error(refusal, context.response_headers)

@@ -2,7 +2,7 @@
 ``list_models``, over stdio (``decisiond mcp``) or streamable HTTP at ``/mcp`` on the HTTP server.
 
 Over HTTP the endpoint sits behind the same keys as every other route (``Authorization: Bearer <key>``, checked
-by ``gateway.auth.Authenticator`` before the MCP transport sees the request; a key's model allowlist and rate
+by ``gateway.stages.auth.Authenticator`` before the MCP transport sees the request; a key's model allowlist and rate
 limits apply to its tool calls, which run through the same gateway pipeline as ``POST /v1/decisions``). Over stdio
 the caller is whoever started the process.
 """
@@ -15,16 +15,20 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..dialects import openai as openai_dialect
 from ..errors import DecisionError, openai_param
 from ..gateway.service import Gateway
 from ..gateway.stages.allowlist import allowed
 from ..gateway.types import Caller
-from ..library import Decision
+from ..library.answers import Decision
+from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..version import __version__
+from .payload import read_body
 
 INSTRUCTIONS = (
     "decisiond answers typed questions about an input with a probability for every option. Call `decide` with "
@@ -64,7 +68,7 @@ def build(gateway: Gateway) -> MCPServer:
         body: dict[str, Any] = {"model": model, "input": input, "questions": questions}
         body.update({k: v for k, v in (("order", order), ("calibrate", calibrate)) if v is not None})
         try:
-            response = await gateway.answer_openai(body, caller)
+            response = await gateway.answer_openai(body, caller, request_type="mcp")
         except DecisionError as error:
             param = openai_param(error.path)
             raise ToolError(f"{error.code} ({error.status}){f' at {param}' if param else ''}: "
@@ -81,22 +85,43 @@ def build(gateway: Gateway) -> MCPServer:
     return server
 
 
-class KeyedEndpoint:
-    """Pure ASGI: the caller's key is checked (401 in OpenAI's error shape) before the MCP transport runs."""
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands over the body already read, then whatever the client sends next (its disconnect)."""
+    sent = False
 
-    def __init__(self, app: ASGIApp, gateway: Gateway):
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class KeyedEndpoint:
+    """Pure ASGI: the caller's key is checked (401 in OpenAI's error shape) and the body is read under the server's
+    body limits (413, 408, as on every route) before the MCP transport runs."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_read_timeout: float = BODY_READ_TIMEOUT_S):
         self.app = app
         self.gateway = gateway
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout = body_read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            from starlette.datastructures import Headers
-
             try:
                 caller = await self.gateway.auth.authenticate(Headers(scope=scope))
+                if scope.get("method") == "POST":
+                    body = await read_body(Request(scope, receive), self.max_body_bytes, self.body_read_timeout)
+                    receive = _replay(body, receive)
             except DecisionError as error:
-                status, body = openai_dialect.render_error(error)
-                await JSONResponse(body, status_code=status, headers=error.headers or None)(scope, receive, send)
+                status, rendered = openai_dialect.render_error(error)
+                await JSONResponse(rendered, status_code=status, headers=error.headers or None)(scope, receive, send)
+                return
+            except ClientDisconnect:
                 return
             fields = scope.get("state", {}).get("log")
             if isinstance(fields, dict) and caller.key_id is not None:
@@ -104,7 +129,8 @@ class KeyedEndpoint:
         await self.app(scope, receive, send)
 
 
-def http_endpoint(server: MCPServer, gateway: Gateway) -> ASGIApp:
+def http_endpoint(server: MCPServer, gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                  body_read_timeout: float = BODY_READ_TIMEOUT_S) -> ASGIApp:
     """The streamable HTTP endpoint, keyed. Run ``server.session_manager.run()`` in the app's lifespan.
 
     Without keys the MCP package's DNS-rebinding protection stays on (loopback hosts only); with keys a browser
@@ -112,4 +138,4 @@ def http_endpoint(server: MCPServer, gateway: Gateway) -> ASGIApp:
     security = TransportSecuritySettings(enable_dns_rebinding_protection=False) if gateway.auth.enabled else None
     server.streamable_http_app(streamable_http_path="/mcp", stateless_http=True, json_response=True,
                                transport_security=security)
-    return KeyedEndpoint(StreamableHTTPASGIApp(server.session_manager), gateway)
+    return KeyedEndpoint(StreamableHTTPASGIApp(server.session_manager), gateway, max_body_bytes, body_read_timeout)

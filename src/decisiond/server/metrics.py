@@ -5,6 +5,7 @@
   pure-ASGI middleware from the access-log fields the server already fills;
 - upstream attempts, failovers, errors (by provider and code) and attempt latency: ``Metrics`` is the router's
   ``observer``;
+- the usage writer's rows written, dead letters and lost records: read at scrape time;
 - each local engine's queue depth, batches (forward passes), jobs, rows, and tokens requested vs computed (the
   prefix-sharing ratio) and padded: read from the scheduler at scrape time, so the engine carries no hook.
 
@@ -23,7 +24,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import ProviderError
-from ..gateway.router import Observer, Router, Target
+from ..gateway.catalog import Target
+from ..gateway.router import Observer, Router
+from ..gateway.service import Gateway
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a tiny model answers in milliseconds, a CPU batch or an upstream in seconds.
@@ -102,10 +105,30 @@ class EngineCollector(Collector):
         yield from counters.values()
 
 
+class UsageCollector(Collector):
+    """The usage writer's counters, read when Prometheus scrapes: rows written, records refused by the database
+    (in the journal's dead-letter file) and records lost (neither the journal nor memory could hold them)."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def collect(self) -> Iterable[Metric]:
+        writer = self.gateway.usage
+        for name, text, field in (
+                ("decisiond_usage_rows_written", "Usage rows written to the database", "written"),
+                ("decisiond_usage_dead_letters", "Usage records the database refused, kept in the dead-letter file",
+                 "dead_letters"),
+                ("decisiond_usage_records_lost", "Usage records dropped: the journal's disk and the writer's queue "
+                 "were full", "lost")):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], float(getattr(writer, field, 0)) if writer is not None else 0.0)
+            yield family
+
+
 class Metrics(Observer):
     """The app's registry and instruments; also the router's observer (``Router.observer``)."""
 
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, gateway: Gateway | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("decisiond_requests", "HTTP requests", ["route", "dialect", "model", "status"],
@@ -128,6 +151,8 @@ class Metrics(Observer):
         self.upstream_latency = Histogram("decisiond_upstream_attempt_seconds", "Duration of each attempt",
                                           ["provider"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(router))
+        if gateway is not None:
+            r.register(UsageCollector(gateway))
         router.observer = self
 
     # ---- the router's observer

@@ -53,7 +53,14 @@ async def models(request: Request, capability: str | None = None) -> Any:
 
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
+    """Liveness for anyone; the models and version only for a caller with a key (or when no keys are configured)."""
     served: Router = request.app.state.router
+    gateway: Gateway = request.app.state.gateway
+    if gateway.auth.enabled:
+        try:
+            await gateway.auth.authenticate(request.headers)
+        except DecisionError:
+            return {"status": "ok"}
     return {"status": "ok", "models": [m.name for m in served.model_list()], "version": __version__}
 
 

@@ -20,15 +20,31 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from ..limits import DATABASE_CONNECT_TIMEOUT_S
+
 MIGRATIONS = Path(__file__).with_name("migrations")
 _DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 
 
-def default_database_path() -> Path:
+def data_directory() -> Path:
     """``$DECISIOND_DATA_DIR``, else ``$XDG_DATA_HOME/decisiond``, else ``~/.local/share/decisiond``."""
-    base = os.environ.get("DECISIOND_DATA_DIR") or os.path.join(
-        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "decisiond")
-    return Path(base) / "decisiond.sqlite3"
+    return Path(os.environ.get("DECISIOND_DATA_DIR") or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "decisiond"))
+
+
+def default_database_path() -> Path:
+    """The SQLite file used without a ``database_url``: ``decisiond.sqlite3`` in the data directory."""
+    return data_directory() / "decisiond.sqlite3"
+
+
+def sqlite_file(url: str | None) -> Path | None:
+    """The file of a SQLite database (the default one without ``url``); None for PostgreSQL or ``:memory:``."""
+    if not url:
+        return default_database_path()
+    parsed = make_url(url)
+    if not parsed.drivername.startswith("sqlite") or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database).absolute()
 
 
 def database_url(url: str | None) -> str:
@@ -40,7 +56,7 @@ def database_url(url: str | None) -> str:
     parsed = make_url(url)
     driver = _DRIVERS.get(parsed.drivername)
     if driver is None and parsed.drivername not in _DRIVERS.values():
-        raise ValueError(f"database_url must be a sqlite:// or postgresql:// URL, got scheme {parsed.drivername!r}")
+        raise ValueError(f"{parsed.drivername}:// is not supported: use a sqlite:// or postgresql:// URL")
     if driver is not None:
         parsed = parsed.set(drivername=driver)
     if parsed.drivername.startswith("sqlite") and parsed.database not in (None, "", ":memory:"):
@@ -66,6 +82,8 @@ class Database:
     async def open(cls, url: str | None) -> "Database":
         resolved = database_url(url)
         options: dict[str, Any] = {"pool_pre_ping": True}
+        if resolved.startswith("postgresql"):  # a host that drops packets is refused in seconds, not asyncpg's 60
+            options["connect_args"] = {"timeout": DATABASE_CONNECT_TIMEOUT_S}
         engine = create_async_engine(resolved, **options)
         db = cls(engine)
         async with engine.begin() as conn:

@@ -81,13 +81,15 @@ class KeyStore:
     def __init__(self, db: Database):
         self.db = db
 
-    async def create(self, name: str, user_path: str = "/", models: list[str] | None = None,
+    async def create(self, name: str, user_path: str | None = None, models: list[str] | None = None,
                      rate_limits: dict[str, Any] | None = None,
                      expires_at: datetime | None = None,
                      guardrails: list[str] | None = None) -> tuple[KeyRecord, str]:
         """A new key: its record and the full key, which is not kept anywhere. ``guardrails``: names the caller
-        has checked against the configured guardrails."""
+        has checked against the configured guardrails. A key created without a user path gets one of its own
+        (``/keys/<id>``), never ``/``: a key at the root could name, and so charge, any team's path."""
         key_id, secret, salt = secrets.token_hex(8), secrets.token_urlsafe(32), secrets.token_hex(16)
+        user_path = user_path if user_path is not None else f"/keys/{key_id}"
         row = ApiKey(id=key_id, name=name, salt=salt, secret_hash=hash_secret(salt, secret), user_path=user_path,
                      models=models, rate_limits=rate_limits, guardrails=guardrails or None,
                      created_at=datetime.now(timezone.utc), expires_at=expires_at)

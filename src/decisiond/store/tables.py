@@ -42,9 +42,13 @@ class UsageRow(Base):
     __tablename__ = "usage"
     __table_args__ = (Index("ix_usage_time", "time"), Index("ix_usage_key_time", "key_id", "time"),
                       Index("ix_usage_type_time", "request_type", "time"),
-                      Index("ix_usage_request_id", "request_id"))
+                      Index("ix_usage_request_id", "request_id"),
+                      Index("ux_usage_record_id", "record_id", unique=True))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # Unique per record (several rows may share a request id): a replayed journal inserts each record once.
+    # NULL on rows written before migration 0005.
+    record_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     day: Mapped[str] = mapped_column(String(10))
     request_id: Mapped[str] = mapped_column(String(64))
@@ -67,6 +71,8 @@ class UsageRow(Base):
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     latency_ms: Mapped[float] = mapped_column(Float)
     cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
+    # True when the tokens were counted by decisiond (the upstream reported none), not reported by the upstream.
+    estimated: Mapped[bool] = mapped_column(Boolean, default=False)
     guardrail: Mapped[str | None] = mapped_column(String(200), nullable=True)
     outcomes: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     request_body: Mapped[Any] = mapped_column(JSON, nullable=True)
@@ -99,3 +105,18 @@ class BudgetWindow(Base):
     window_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     spent: Mapped[int] = mapped_column(BigInteger, default=0)
     reserved: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class BudgetReservation(Base):
+    """One request's reservation on one budget window, until it settles. ``budget_windows.reserved`` is the sum of
+    a window's live reservations; a reservation older than its time to live (its request never settled) is released
+    by the next request that reserves on that budget."""
+
+    __tablename__ = "budget_reservations"
+    __table_args__ = (Index("ix_budget_reservations_budget_created", "budget_id", "created_ms"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    budget_id: Mapped[str] = mapped_column(String(64))
+    window_start: Mapped[int] = mapped_column(BigInteger)
+    amount: Mapped[int] = mapped_column(BigInteger)
+    created_ms: Mapped[int] = mapped_column(BigInteger)

@@ -8,6 +8,7 @@ line here::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..settings import ProviderConfig
@@ -32,5 +33,5 @@ def provider_class(type_name: str) -> type[Provider]:
         raise ValueError(f"unknown provider type {type_name!r}; registered types: {', '.join(REGISTRY)}") from None
 
 
-def build(config: ProviderConfig, engines: dict[str, Any] | None = None) -> Provider:
+def build(config: ProviderConfig, engines: Mapping[str, Any] | None = None) -> Provider:
     return provider_class(config.type).from_config(config, engines or {})

@@ -4,12 +4,13 @@ HTTP plumbing the upstream ones share."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Protocol
 
 import httpx
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
-from ...errors import DecisionError, InvalidRequest, provider_error
+from ...errors import DecisionError, InvalidRequest, provider_error, retry_headers
 from ..settings import Limits, ProviderConfig
 
 
@@ -50,6 +51,10 @@ class DecisionProvider(Protocol):
 
     def engines(self) -> dict[str, Any]: ...
 
+    def detokenize(self, ids: tuple[int, ...]) -> str: ...
+
+    async def input_tokens(self, request: DecisionRequest) -> int | None: ...
+
     def unsupported(self, request: DecisionRequest) -> DecisionError | None: ...
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult: ...
@@ -85,7 +90,7 @@ class Provider:
         self.name = config.name
 
     @classmethod
-    def from_config(cls, config: ProviderConfig, engines: dict[str, Any]) -> "Provider":
+    def from_config(cls, config: ProviderConfig, engines: Mapping[str, Any]) -> "Provider":
         return cls(config)
 
     @classmethod
@@ -129,6 +134,16 @@ class Provider:
     def engines(self) -> dict[str, Any]:
         """The in-process engines this provider runs, by served name, for the metrics to read at scrape time."""
         return {}
+
+    async def input_tokens(self, request: DecisionRequest) -> int | None:
+        """The input tokens ``request`` will be billed for, counted exactly where this provider runs its own model
+        (its tokenizer), else None: the caller then uses a bound (``sizes.max_input_tokens``)."""
+        return None
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        """The text of token ids (what guardrails read of a ``/v1/score`` token-id prompt); only a provider that
+        runs its own model has a tokenizer."""
+        raise ValueError(f"provider {self.name!r} has no tokenizer to read token ids with")
 
     def unsupported(self, request: DecisionRequest) -> DecisionError | None:
         """Why this provider cannot take ``request`` at all (it is then skipped without an attempt), or None."""
@@ -200,7 +215,7 @@ class HttpProvider(Provider):
                                  secrets=self.secrets,
                                  code="upstream_unavailable") from e
         if response.status_code >= 400:
-            kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "retry-after-ms")}
+            kept = retry_headers(response.headers)
             raise provider_error(self.name, response.status_code, error_message(response.text), kept,
                                  secrets=self.secrets)
         try:

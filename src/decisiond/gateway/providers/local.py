@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ...engine.prompt import PROMPT_FORMAT_VERSION
+from ..fingerprint import request_tree
 from ..settings import ProviderConfig
 from ..sizes import LOCAL
 from .base import Provider
@@ -28,7 +31,7 @@ class LocalProvider(Provider):
         self.engine = engine
 
     @classmethod
-    def from_config(cls, config: ProviderConfig, engines: dict[str, Any]) -> "LocalProvider":
+    def from_config(cls, config: ProviderConfig, engines: Mapping[str, Any]) -> "LocalProvider":
         return cls(config, engines[config.name])
 
     @property
@@ -42,8 +45,6 @@ class LocalProvider(Provider):
         return self.engine.release_date
 
     def cache_identity(self) -> dict[str, Any]:
-        from ..fingerprint import request_tree
-
         engine = self.engine
         profile = engine.profile
         return {
@@ -54,6 +55,14 @@ class LocalProvider(Provider):
 
     def engines(self) -> dict[str, Any]:
         return {self.engine.name: self.engine}
+
+    async def input_tokens(self, request: DecisionRequest) -> int:
+        """Exactly what the engine will count: every rendered prompt of every question (and order variant)."""
+        prepared = await asyncio.to_thread(self.engine.prepare, request)
+        return sum(len(v.prompt.ids) for q in prepared.questions for v in q.variants)
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        return str(self.engine.tokenizer.decode(list(ids)))
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         result = await self.engine.decide_async(request)

@@ -25,12 +25,14 @@ class OpenAIProvider(HttpProvider):
         """``route``: decisions, chat/completions or responses."""
         return f"{self.base_url}/{route}"
 
-    async def forward(self, route: str, body: dict[str, Any], upstream: str) -> httpx.Response:
-        """Chat traffic (``chat/completions``, ``responses``) as sent, model replaced; the response is opened as a
-        stream so that server-sent events pass through as they come. The caller closes it."""
-        request = self.client.build_request("POST", self.url(upstream, route),
-                                            headers={**self.config.headers, **self.auth()},
-                                            json={**body, "model": upstream})
+    async def open_chat(self, route: str, body: dict[str, Any], upstream: str) -> httpx.Response:
+        """Chat traffic (``chat/completions``, ``responses``): ``body`` as given, the response opened as a stream so
+        that server-sent events pass through as they come. Only connecting is bounded here (``chat.connect_timeout_s``);
+        the wait for the first byte and between chunks is the caller's (``gateway.forward``). The caller closes it."""
+        chat = self.config.chat
+        request = self.client.build_request(
+            "POST", self.url(upstream, route), headers={**self.config.headers, **self.auth()}, json=body,
+            timeout=httpx.Timeout(None, connect=chat.connect_timeout_s, pool=chat.connect_timeout_s))
         try:
             return await self.client.send(request, stream=True)
         except httpx.TimeoutException as e:

@@ -2,17 +2,32 @@
 or per ``period_seconds`` (windows aligned on the Unix epoch), held in the database so replicas share them.
 
 The ``BudgetStage`` runs after the rate limits and before the router. For every budget that applies to the
-request it *reserves* the request's estimated cost (``pricing.estimate`` of the dearest target the model may
-route to) with one conditional UPDATE per budget, in one transaction::
+request (a budget on a model applies to every request that model may answer, under any name) it *reserves* the
+most the request can cost: for the dearest target the model may route to (for a cascade, the dearest of each step,
+summed), its input tokens (counted by the
+model's tokenizer when it runs here, else bounded by the request's bytes: ``sizes.max_input_tokens``) plus the
+output the request can still produce (its ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``,
+else the model's ``max_output_tokens``), priced by the same rules as the bill (``pricing.cost``). One conditional
+UPDATE per budget, in one transaction::
 
     UPDATE budget_windows SET reserved = reserved + :cost
      WHERE budget_id = :id AND window_start = :w AND spent + reserved + :cost <= :limit AND spent + reserved < :limit
 
-and checks the row count: 0 rows means the budget has no room, the transaction is rolled back and the request is
-refused with 402 ``budget_exceeded`` before any provider is called. PostgreSQL re-checks the WHERE clause on the
-row a concurrent transaction just committed; SQLite serialises writers — so of N concurrent requests only those
-that fit pass, on one replica or many. After the call the reservation is *settled*: the estimate is released and
-the real cost (0 for a failed request) added to ``spent``. Amounts are integers in nano-USD, so they add up exactly.
+then a row in ``budget_reservations``. 0 rows updated means the budget has no room: the transaction is rolled back
+and the request refused with 402 ``budget_exceeded`` before any provider is called. PostgreSQL re-checks the WHERE
+clause on the row a concurrent transaction just committed; SQLite serialises writers — so of N concurrent requests
+only those that fit pass, on one replica or many. After the call the reservation is *settled*: its row deleted,
+the reservation released and the real cost (0 for a failed request) added to ``spent``. Amounts are integers in
+nano-USD, so they add up exactly.
+
+The guarantee: since no request costs more than it reserved, concurrent requests on any number of replicas never
+take a budget past its limit — by at most what one request's real cost exceeds its reservation, which only an
+upstream billing past what its request allowed can do.
+
+A reservation that is never settled (its replica was killed, or the database was down when the request ended)
+would hold its room for ever; each is a row with its time, and one older than ``budget_reservation_ttl_s`` is
+released (deleted with ``RETURNING``, so by exactly one replica) by the next request that reserves on that budget.
+A settle that finds its row already released adds only the cost.
 
 While the database cannot be reached, ``budgets_when_database_down`` decides: ``admit`` (default) lets requests
 through unchecked — logged, their outcome ``unchecked: database unavailable``, their usage rows kept until the
@@ -25,22 +40,24 @@ import asyncio
 import hashlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from ...canonical import DecisionRequest, Usage
 from ...errors import BudgetExceeded, DecisionError, Unavailable
-from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
+from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S, BUDGET_RESERVATION_TTL_S
 from ...store.db import Database
-from ...store.tables import Budget, BudgetWindow
+from ...store.tables import Budget, BudgetReservation, BudgetWindow
 from .. import pricing
 from ..router import Router
 from ..settings import BudgetConfig, in_subtree
-from ..sizes import estimated_tokens
+from ..sizes import max_input_tokens, max_output_tokens
 from ..types import Caller, Context, Next
 
 log = logging.getLogger("decisiond.budgets")
@@ -102,7 +119,7 @@ class BudgetView:
     def per(self) -> str:
         return self.period or f"{self.period_seconds} s"
 
-    def applies(self, caller: Caller, models: tuple[str | None, ...]) -> bool:
+    def applies(self, caller: Caller, models: tuple[str, ...]) -> bool:
         if self.key_id is not None:
             return caller.key_id == self.key_id
         if self.user_path is not None:
@@ -129,15 +146,16 @@ def _view(b: Budget) -> BudgetView:
 
 @dataclass
 class Reservation:
-    # (budget id, window start, reserved nano-USD)
-    held: list[tuple[str, int, int]] = field(default_factory=list)
+    # (reservation id, budget id, window start, reserved nano-USD)
+    held: list[tuple[str, str, int, int]] = field(default_factory=list)
 
 
 class BudgetStore:
     """Budgets and their windows in the database; the list is cached for ``BUDGET_CACHE_S``."""
 
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, reservation_ttl_s: float = BUDGET_RESERVATION_TTL_S):
         self.db = db
+        self.reservation_ttl_ms = int(reservation_ttl_s * 1000)
         self._cache: tuple[float, list[BudgetView]] | None = None
 
     async def budgets(self) -> list[BudgetView]:
@@ -176,33 +194,44 @@ class BudgetStore:
         async with self.db.session() as session, session.begin():
             result = await session.execute(delete(Budget).where(Budget.id == ident))
             await session.execute(delete(BudgetWindow).where(BudgetWindow.budget_id == ident))
+            await session.execute(delete(BudgetReservation).where(BudgetReservation.budget_id == ident))
         self._cache = None
         return bool(getattr(result, "rowcount", 0))
 
     async def spend(self, budgets: list[BudgetView], now: float | None = None) -> list[dict[str, Any]]:
-        """Each budget's public view with its current window's spend."""
+        """Each budget's public view with its current window's spend, and its reservations in flight (how many, and
+        the age of the oldest)."""
         out = []
+        r = BudgetReservation
+        now = time.time() if now is None else now
         async with self.db.session() as session:
             for b in budgets:
                 start, _ = b.window(now)
                 row = await session.get(BudgetWindow, (b.id, start))
-                out.append(b.public(row.spent if row else 0, row.reserved if row else 0, now))
+                held = (await session.execute(select(func.count(), func.min(r.created_ms)).where(
+                    r.budget_id == b.id, r.window_start == start))).one()
+                view = b.public(row.spent if row else 0, row.reserved if row else 0, now)
+                view["reservations"] = int(held[0])
+                view["oldest_reservation_age_s"] = round(max(0.0, now - held[1] / 1000), 3) if held[1] else None
+                out.append(view)
         return out
 
     def _insert(self) -> Any:
         return pg_insert if self.db.dialect == "postgresql" else sqlite_insert
 
     async def reserve(self, budgets: list[BudgetView], amount: int) -> Reservation:
-        """Reserve ``amount`` nano-USD in every budget, all or none; 402 naming the first without room."""
+        """Reserve ``amount`` nano-USD in every budget, all or none; 402 naming the first without room. Expired
+        reservations of these budgets are released first."""
         reservation = Reservation()
         now = time.time()
         insert = self._insert()
+        w = BudgetWindow
         async with self.db.session() as session, session.begin():
             for b in sorted(budgets, key=lambda b: b.id):  # one lock order: no deadlock between requests
                 start, end = b.window(now)
                 await session.execute(insert(BudgetWindow).values(budget_id=b.id, window_start=start, spent=0,
                                                                   reserved=0).on_conflict_do_nothing())
-                w = BudgetWindow
+                await self._release_expired(session, b.id, int(now * 1000))
                 result = await session.execute(
                     update(w).where(w.budget_id == b.id, w.window_start == start,
                                     w.spent + w.reserved + amount <= b.limit_nano, w.spent + w.reserved < b.limit_nano)
@@ -211,18 +240,43 @@ class BudgetStore:
                     row = (await session.execute(select(w.spent, w.reserved).where(
                         w.budget_id == b.id, w.window_start == start))).one()
                     raise budget_exceeded(b, row.spent, row.reserved, amount, int(end - now))
-                reservation.held.append((b.id, start, amount))
+                ident = uuid.uuid4().hex
+                session.add(BudgetReservation(id=ident, budget_id=b.id, window_start=start, amount=amount,
+                                              created_ms=int(now * 1000)))
+                reservation.held.append((ident, b.id, start, amount))
         return reservation
 
+    async def _release_expired(self, session: Any, budget: str, now_ms: int) -> None:
+        """Release this budget's reservations older than their time to live (each by exactly one transaction: the
+        DELETE returns only the rows it removed)."""
+        r = BudgetReservation
+        gone = (await session.execute(delete(r).where(r.budget_id == budget,
+                                                      r.created_ms < now_ms - self.reservation_ttl_ms)
+                                      .returning(r.window_start, r.amount))).all()
+        if not gone:
+            return
+        log.warning("budget reservations released after their time to live: their requests never settled",
+                    extra={"budget": budget, "count": len(gone), "nanousd": sum(a for _, a in gone)})
+        by_window: dict[int, int] = {}
+        for start, amount in gone:
+            by_window[start] = by_window.get(start, 0) + amount
+        w = BudgetWindow
+        for start, amount in by_window.items():
+            await session.execute(update(w).where(w.budget_id == budget, w.window_start == start)
+                                  .values(reserved=w.reserved - amount))
+
     async def settle(self, reservation: Reservation, actual: int) -> None:
-        """Release the estimates and add the real cost to every budget reserved."""
+        """Release the reservations (those not released already for their age) and add the real cost to every
+        budget reserved."""
         if not reservation.held:
             return
-        w = BudgetWindow
+        w, r = BudgetWindow, BudgetReservation
         async with self.db.session() as session, session.begin():
-            for ident, start, held in reservation.held:
-                await session.execute(update(w).where(w.budget_id == ident, w.window_start == start).values(
-                    reserved=w.reserved - held, spent=w.spent + actual))
+            for ident, budget, start, held in reservation.held:
+                removed = await session.execute(delete(r).where(r.id == ident))
+                release = held if getattr(removed, "rowcount", 0) == 1 else 0
+                await session.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
+                    reserved=w.reserved - release, spent=w.spent + actual))
 
 
 def budget_exceeded(b: BudgetView, spent: int, reserved: int, amount: int, resets_in: int) -> DecisionError:
@@ -244,10 +298,24 @@ class BudgetStage:
         self.router = router
         self.when_down = when_down
 
-    def estimate(self, context: Context, request: Any) -> int:
-        tokens = estimated_tokens(request)
-        targets = self.router.chain(context.resolved_model) if context.resolved_model else []
-        return max((to_nano(pricing.estimate(t.price, tokens)) for t in targets), default=0)
+    async def worst_case(self, context: Context, request: Any) -> int:
+        """The most ``request`` can cost on any target its model may route to (see the module docstring); for a
+        cascade, every step's worst case summed (every question may escalate to the last step)."""
+        return await self._worst(context.resolved_model, request) if context.resolved_model else 0
+
+    async def _worst(self, name: str, request: Any) -> int:
+        steps = self.router.cascade_steps(name)
+        if steps is not None:  # a step asks a subset of the questions: the whole request bounds its cost
+            return sum([await self._worst(self.router.canonical(step) or step, request) for step in steps])
+        worst = 0
+        for t in self.router.chain(name):
+            if t.price is None:
+                continue
+            counted = await t.provider.input_tokens(request) if isinstance(request, DecisionRequest) else None
+            usage = Usage(input_tokens=counted if counted is not None else max_input_tokens(request),
+                          output_tokens=max_output_tokens(request, t.max_output_tokens))
+            worst = max(worst, to_nano(pricing.cost(t.price, usage, pricing.billed_as(request, t.provider.format))))
+        return worst
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         store: BudgetStore | None = self.store_of()
@@ -255,10 +323,10 @@ class BudgetStage:
             return await call_next(context, request)
         try:
             budgets = [b for b in await store.budgets()
-                       if b.applies(context.caller, (context.resolved_model, context.requested_model))]
+                       if b.applies(context.caller, self.router.policy_names(context.resolved_model or ""))]
             if not budgets:
                 return await call_next(context, request)
-            amount = self.estimate(context, request)
+            amount = await self.worst_case(context, request)
             reservation = await asyncio.wait_for(store.reserve(budgets, amount), BUDGET_DB_TIMEOUT_S)
         except DecisionError:
             raise
@@ -271,15 +339,19 @@ class BudgetStage:
                                   code="budget_unavailable", headers={"retry-after": "5"}) from None
             context.outcomes[self.name] = "unchecked: database unavailable"
             return await call_next(context, request)
-        actual = 0
         try:
-            result = await call_next(context, request)
-            actual = to_nano(context.cost or 0.0)
-            return result
+            return await call_next(context, request)
         finally:
-            try:
-                await asyncio.wait_for(store.settle(reservation, actual), BUDGET_DB_TIMEOUT_S)
-            except Exception as error:
-                log.error("budget not settled: the database is unavailable; the reservation holds until the "
-                          "period ends", extra={"request_id": context.request_id, "cost_nanousd": actual,
-                                                "error": f"{type(error).__name__}: {error}"[:300]})
+            # What it cost: its answer's price, what a stream relayed before its client left, 0 for a failure.
+            # Shielded: a client that leaves while its request settles must not cancel the settlement.
+            actual = to_nano(context.cost or 0.0)
+            await asyncio.shield(self._settle(store, reservation, actual, context.request_id))
+
+    @staticmethod
+    async def _settle(store: BudgetStore, reservation: Reservation, actual: int, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(store.settle(reservation, actual), BUDGET_DB_TIMEOUT_S)
+        except Exception as error:
+            log.error("budget not settled: the database is unavailable; the reservation is released after its time "
+                      "to live", extra={"request_id": request_id, "cost_nanousd": actual,
+                                        "error": f"{type(error).__name__}: {error}"[:300]})

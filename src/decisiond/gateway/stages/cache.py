@@ -11,7 +11,8 @@ identical request is answered from the cache without running the engine or calli
 - **Single flight**: identical concurrent misses in one process run once; the others wait and share the answer.
 - **Control**: ``Cache-Control: no-cache`` recomputes and refreshes the entry, ``no-store`` neither reads nor
   writes. Responses carry ``X-Cache: HIT`` or ``MISS`` (none where the model is not cached). Never stored: errors,
-  answers with a refusal, and answers from any but the first target of a failover chain.
+  answers with a refusal, answers from any but the first target of a failover chain, and a cascade's answers that
+  escalated any question (its key holds its steps and thresholds: an answer stored is its first call's).
 
 The stage runs after the allowlist (a key never reads answers of a model it may not use) and before the rate
 limits, so that a hit costs no rate-limit tokens.
@@ -29,8 +30,10 @@ from collections import OrderedDict
 from typing import Any
 
 from ...canonical import Answer, DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
+from ..cascade import ESCALATED_HEADER
+from ..catalog import Target
 from ..fingerprint import request_tree
-from ..router import Router, Target
+from ..router import Router
 from ..settings import CacheConfig
 from ..types import Context, Next
 from .guardrails import GuardrailSet
@@ -59,13 +62,16 @@ def _answerer(target: Target) -> dict[str, Any]:
 
 
 def cache_key(operation: str, model: str, target: Target, request: DecisionRequest | ScoreRequest,
-              guardrails: Any = None) -> str:
+              guardrails: Any = None, cascade: Any = None) -> str:
     """``guardrails``: the configs of the guardrails in force — deterministic functions of the request, so the
-    entry answers exactly the request they let through (and edited)."""
+    entry answers exactly the request they let through (and edited). ``cascade``: a cascade's config (its steps and
+    thresholds decide that no question escalated)."""
     # The requested name is left out: the resolved model stands for it (lenient dialects map any name to it).
     canonical = dataclasses.replace(request, model=None)
     material = {"v": KEY_VERSION, "operation": operation, "model": model, "answerer": _answerer(target),
                 "request": request_tree(canonical), "guardrails": guardrails}
+    if cascade is not None:
+        material["cascade"] = cascade
     text = json.dumps(material, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -277,9 +283,11 @@ class CacheStage:
             target = self.router.first_target(request, name)
         if target is None or not self.enabled_for(name, target):
             return None
-        in_force = self.guardrails.for_request(name, context.caller.guardrails) if self.guardrails else []
+        models = self.router.policy_names(name)
+        in_force = self.guardrails.for_request(models, context.caller.guardrails) if self.guardrails else []
         fingerprint = [g.model_dump(mode="json") for g in in_force] or None
-        return cache_key(context.operation, name, target, request, fingerprint), target
+        cascade = self.router.virtual[name].model_dump(mode="json") if self.router.cascade_steps(name) else None
+        return cache_key(context.operation, name, target, request, fingerprint, cascade), target
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         plan = self.plan(context, request)
@@ -298,7 +306,11 @@ class CacheStage:
             if blob is not None:
                 self.cache.hits += 1
                 context.cache_hit = True
+                context.cost = 0.0  # a hit calls no provider: x-decisiond-cost: 0, and nothing is charged
                 context.response_headers["x-cache"] = "HIT"
+                if self.router.cascade_steps(context.resolved_model or "") and isinstance(request, DecisionRequest):
+                    # a cascade's answer is stored only when no question escalated
+                    context.response_headers[ESCALATED_HEADER] = f"0 of {len(request.questions)}"
                 return decode(blob)
         return await self._compute(context, request, call_next, key, target)
 
@@ -312,9 +324,12 @@ class CacheStage:
         try:
             result = await call_next(context, request)
             blob = encode(result)
-            if flight is not None:
-                flight.set_result(blob)  # waiters share even an answer that is not stored
-            if _storable(result, context, target):
+            storable = _storable(result, context, target)
+            if flight is not None and (storable or not context.calls):
+                # Waiters share even an answer that is not stored, but not a cascade's that escalated (its
+                # x-decisiond-escalated is this request's): they compute their own.
+                flight.set_result(blob)
+            if storable:
                 await self.cache.put(key, blob)
             return result
         finally:
@@ -326,7 +341,8 @@ class CacheStage:
 
 
 def _storable(result: Any, context: Context, target: Target) -> bool:
-    """An answer of the first target on its first attempt, with no refusal."""
+    """An answer of the first target on its first attempt, with no refusal (for a cascade: its first call, which no
+    question escalated from)."""
     if context.targets_tried != [target.name]:
         return False
     return not (isinstance(result, DecisionResult) and any(a.refusal for a in result.answers))

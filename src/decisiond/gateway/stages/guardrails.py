@@ -26,8 +26,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...canonical import DecisionRequest, Json, Message, Part, Question, Text, ToolCall, ToolOutput
+from ...canonical import DecisionRequest, Json, Message, Part, Question, ScoreRequest, Text, ToolCall, ToolOutput
 from ...errors import GuardrailBlocked, InvalidRequest, ServerError
+from ...limits import GUARDRAIL_JUDGE_MAX_CHARS
+from ..catalog import Catalog
 from ..chat import ChatRequest
 from ..settings import GuardrailConfig, unknown_guardrail
 from ..types import Context, Next
@@ -211,13 +213,23 @@ def _regex(config: GuardrailConfig, texts: Texts) -> Outcome:
 Judge = Callable[[GuardrailConfig, str, str], Awaitable[float]]
 
 
+def judged_document(texts: Texts) -> str:
+    """What a judge reads: the request's texts joined into one document (identical texts once), so that an
+    injection split across parts is judged whole, with one call whatever the number of parts."""
+    return "\n\n".join(dict.fromkeys(t for t in texts if t.strip()))
+
+
 async def _decision_judge(config: GuardrailConfig, texts: Texts, judge: Judge, request_id: str) -> Outcome:
-    unique = list(dict.fromkeys(t for t in texts if t.strip()))  # identical text is judged once
-    scores = await asyncio.gather(*(judge(config, t, request_id) for t in unique))
-    worst = max(scores, default=0.0)
-    if worst >= config.threshold:
-        return Outcome(config.name, config.action, f"P(yes) = {worst:.3f} ≥ {config.threshold:g}")
-    return Outcome(config.name, "allow", f"P(yes) = {worst:.3f}")
+    document = judged_document(texts)
+    if not document:
+        return Outcome(config.name, "allow", "nothing to judge")
+    if len(document) > GUARDRAIL_JUDGE_MAX_CHARS:  # never judged in part: the guardrail fails (fail_mode decides)
+        raise ValueError(f"the request's text is {len(document):,} characters, over the {GUARDRAIL_JUDGE_MAX_CHARS:,} "
+                         "a judge reads")
+    score = await judge(config, document, request_id)
+    if score >= config.threshold:
+        return Outcome(config.name, config.action, f"P(yes) = {score:.3f} ≥ {config.threshold:g}")
+    return Outcome(config.name, "allow", f"P(yes) = {score:.3f}")
 
 
 def judge_question(config: GuardrailConfig) -> Question:
@@ -235,16 +247,17 @@ class GuardrailSet:
     judge: Judge | None = None
     by_model: dict[str, list[str]] = field(default_factory=dict)
 
-    def for_request(self, model: str | None, key_guardrails: Sequence[str] = ()) -> list[GuardrailConfig]:
-        """The model's guardrails, then the key's. A managed key may name a guardrail since removed from the config:
-        its requests are refused rather than sent on unguarded."""
+    def for_request(self, models: Sequence[str], key_guardrails: Sequence[str] = ()) -> list[GuardrailConfig]:
+        """The guardrails of every model whose policy applies (the resolved model and, for a virtual model, each
+        entry it may route to: ``Catalog.policy_names``), then the key's. A managed key may name a guardrail since
+        removed from the config: its requests are refused rather than sent on unguarded."""
         missing = unknown_guardrail(key_guardrails, self.guardrails)
         if missing is not None:
             log.error("a key names a guardrail that is not configured; its requests are refused",
                       extra={"guardrail": missing})
             raise ServerError(f"this API key is guarded by {missing!r}, which is not configured on this server; "
                               "the request is refused rather than sent unguarded", code="guardrail_not_configured")
-        names = list(dict.fromkeys([*self.by_model.get(model or "", []), *key_guardrails]))
+        names = list(dict.fromkeys([*(n for m in models for n in self.by_model.get(m, [])), *key_guardrails]))
         return [self.guardrails[n] for n in names]
 
     def check_names(self, names: Sequence[str], param: str = "guardrails") -> None:
@@ -307,18 +320,24 @@ def verdict(outcomes: list[Outcome], headers: dict[str, str], context_outcomes: 
         raise GuardrailBlocked(f"guardrail {blocked.name!r} blocked this request: {blocked.detail}")
 
 
+def score_texts(request: ScoreRequest, detokenize: Callable[[tuple[int, ...]], str]) -> Texts:
+    """What the guardrails of a ``/v1/score`` request see: each prompt, token-id prompts decoded."""
+    return tuple(p if isinstance(p, str) else detokenize(p) for p in request.prompts)
+
+
 class GuardrailStage:
-    """Stage: the guardrails attached to the resolved model, its virtual model or the caller's key."""
+    """Stage: the guardrails of every model whose policy applies to the request (``Catalog.policy_names``) and of
+    the caller's key, on every operation: decisions, ``/v1/score`` prompts and chat traffic."""
 
     name = "guardrails"
 
-    def __init__(self, guardrails: GuardrailSet):
+    def __init__(self, guardrails: GuardrailSet, catalog: Catalog):
         self.guardrails = guardrails
+        self.catalog = catalog
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
-        if context.operation == "score":
-            return await call_next(context, request)
-        configs = self.guardrails.for_request(context.resolved_model, context.caller.guardrails)
+        models = self.catalog.policy_names(context.resolved_model) if context.resolved_model else ()
+        configs = self.guardrails.for_request(models, context.caller.guardrails)
         if not configs:
             return await call_next(context, request)
         if isinstance(request, ChatRequest):  # the prompt messages' text, redactions written back into the body
@@ -326,6 +345,26 @@ class GuardrailStage:
             verdict(outcomes, context.response_headers, context.outcomes)
             request.apply(texts)
             return await call_next(context, request)
+        if isinstance(request, ScoreRequest):
+            return await call_next(context, await self._score(context, request, configs))
         texts, outcomes = await self.guardrails.run(configs, decision_texts(request), context.request_id)
         verdict(outcomes, context.response_headers, context.outcomes)
         return await call_next(context, apply_texts(request, texts))
+
+    async def _score(self, context: Context, request: ScoreRequest, configs: list[GuardrailConfig]) -> ScoreRequest:
+        target = self.catalog.known_target(context.resolved_model or "")
+        detokenize = target.provider.detokenize if target is not None else _no_tokenizer
+        original = score_texts(request, detokenize)
+        texts, outcomes = await self.guardrails.run(configs, original, context.request_id)
+        redacted_ids = [i for i, (p, a, b) in enumerate(zip(request.prompts, original, texts))
+                        if not isinstance(p, str) and a != b]
+        if redacted_ids:
+            outcomes.append(Outcome("guardrails", "block", f"a redaction touches the token-id prompt "
+                                    f"items[{redacted_ids[0]}], which cannot be redacted in place"))
+        verdict(outcomes, context.response_headers, context.outcomes)
+        prompts = tuple(t if isinstance(p, str) else p for p, t in zip(request.prompts, texts))
+        return replace(request, prompts=prompts)
+
+
+def _no_tokenizer(ids: tuple[int, ...]) -> str:
+    raise ValueError("token-id prompts cannot be guarded: this model has no tokenizer here")

@@ -2,7 +2,7 @@
 window (in-process memory, or Redis so that replicas share one set of counters), plus concurrent-request caps.
 
 Requests per second/minute/hour/day and input tokens per minute. Tokens are estimated before the call (4
-characters a token, as ``gateway.limits`` estimates them) and reserved with the request; after the call, what the
+characters a token, as ``gateway.sizes`` estimates them) and reserved with the request; after the call, what the
 provider really counted above the estimate is added, so concurrent requests cannot overshoot a window.
 
 Key and user-path limits are checked by the pipeline stage (before guardrails, so an over-limit request costs
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,8 @@ from limits import (
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error
+from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error, retry_headers
+from ...limits import CONCURRENCY_SLOT_TTL_S
 from ..settings import RateLimitConfig, UserPathLimit, in_subtree
 from ..sizes import estimated_tokens
 from ..types import Caller, Context, Next
@@ -40,8 +42,6 @@ _WINDOWS: dict[str, type[RateLimitItem]] = {
     "requests_per_hour": RateLimitItemPerHour,
     "requests_per_day": RateLimitItemPerDay,
 }
-# A replica that dies holding a concurrency slot frees it after this long.
-CONCURRENCY_TTL_SECONDS = 3600
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Admission:
     limiter: "RateLimiter"
     checks: list[_Check] = field(default_factory=list)
     estimate: int = 0
-    slots: list[Scope] = field(default_factory=list)
+    slots: list[tuple[Scope, str]] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
 
     async def settle(self, actual_tokens: int) -> None:
@@ -120,44 +120,58 @@ class Admission:
 
     async def release(self) -> None:
         slots, self.slots = self.slots, []
-        for scope in slots:
+        for scope, slot in slots:
             try:
-                await self.limiter.concurrency.release(scope)
-            except Exception as error:  # the slot expires with CONCURRENCY_TTL_SECONDS
+                await self.limiter.concurrency.release(scope, slot)
+            except Exception as error:  # the slot expires on its own (_Concurrency)
                 log.warning("concurrency slot not released: storage unavailable", extra={"error": repr(error)})
 
 
-class _Concurrency:
-    """Requests in flight per scope: a counter in memory, or a Redis counter shared by replicas."""
+# Take a slot: drop the scope's expired slots, refuse at the limit, else add this one with its expiry (Redis' own
+# clock, so replicas agree). KEYS[1]: the scope's sorted set; ARGV: limit, slot id, slot TTL in ms.
+_ACQUIRE = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
 
-    def __init__(self, redis: Any = None):
+
+class _Concurrency:
+    """Requests in flight per scope: a counter in memory, or in Redis a sorted set of slots shared by replicas. Each
+    Redis slot carries its own expiry, so a slot left by a replica that died holding it is dropped after
+    ``slot_ttl_s`` whatever the other replicas do (a counter's TTL would be renewed by every acquire)."""
+
+    def __init__(self, redis: Any = None, slot_ttl_s: float = CONCURRENCY_SLOT_TTL_S):
         self.redis = redis
+        self.slot_ttl_ms = max(1, int(slot_ttl_s * 1000))
         self.local: dict[str, int] = {}
 
     @staticmethod
     def _key(scope: Scope) -> str:
-        return f"decisiond:concurrent:{scope.kind}:{scope.id}"
+        return f"decisiond:slots:{scope.kind}:{scope.id}"
 
-    async def acquire(self, scope: Scope, limit: int) -> bool:
+    async def acquire(self, scope: Scope, limit: int) -> str | None:
+        """A slot's id, or None when the scope is at its limit."""
         key = self._key(scope)
         if self.redis is None:
             if self.local.get(key, 0) >= limit:
-                return False
+                return None
             self.local[key] = self.local.get(key, 0) + 1
-            return True
-        count = await self.redis.incr(key)
-        await self.redis.expire(key, CONCURRENCY_TTL_SECONDS)
-        if count > limit:
-            await self.redis.decr(key)
-            return False
-        return True
+            return key
+        slot = uuid.uuid4().hex
+        taken = await self.redis.eval(_ACQUIRE, 1, key, limit, slot, self.slot_ttl_ms)
+        return slot if taken == 1 else None
 
-    async def release(self, scope: Scope) -> None:
+    async def release(self, scope: Scope, slot: str) -> None:
         key = self._key(scope)
         if self.redis is None:
             self.local[key] = max(0, self.local.get(key, 0) - 1)
         else:
-            await self.redis.decr(key)
+            await self.redis.zrem(key, slot)
 
     async def aclose(self) -> None:
         if self.redis is not None:
@@ -167,7 +181,8 @@ class _Concurrency:
 class RateLimiter:
     def __init__(self, redis_url: str | None = None, user_paths: list[UserPathLimit] | None = None,
                  models: dict[str, RateLimitConfig] | None = None,
-                 providers: dict[str, RateLimitConfig] | None = None):
+                 providers: dict[str, RateLimitConfig] | None = None,
+                 slot_ttl_s: float = CONCURRENCY_SLOT_TTL_S):
         self.user_paths = [u for u in user_paths or [] if not u.empty()]
         self.models = {k: v for k, v in (models or {}).items() if not v.empty()}
         self.providers = {k: v for k, v in (providers or {}).items() if not v.empty()}
@@ -177,7 +192,7 @@ class RateLimiter:
 
             uri = "async+" + redis_url if not redis_url.startswith("async+") else redis_url
             self.storage = RedisStorage(uri, implementation="redispy")
-            self.concurrency = _Concurrency(redis.asyncio.Redis.from_url(redis_url.removeprefix("async+")))
+            self.concurrency = _Concurrency(redis.asyncio.Redis.from_url(redis_url.removeprefix("async+")), slot_ttl_s)
         else:
             self.storage = MemoryStorage()
             self.concurrency = _Concurrency()
@@ -230,11 +245,12 @@ class RateLimiter:
                 raise await self._refusal(check, admission)
         for scope in scopes:
             if scope.config.concurrent is not None:
-                if not await self.concurrency.acquire(scope, scope.config.concurrent):
+                slot = await self.concurrency.acquire(scope, scope.config.concurrent)
+                if slot is None:
                     await admission.release()
                     raise RateLimited(f"{scope.describe()} already has {scope.config.concurrent} requests in "
                                       "flight (its concurrent limit)", 1.0)
-                admission.slots.append(scope)
+                admission.slots.append((scope, slot))
         for check in admission.checks:
             if not await self.window.hit(check.item, *check.identifiers, cost=tokens if check.tokens else 1):
                 await admission.release()
@@ -319,7 +335,7 @@ class TargetGate:
 
 
 def _unavailable(error: RateLimited, provider: str) -> ProviderError:
-    kept = {k: v for k, v in error.headers.items() if k in ("retry-after", "retry-after-ms")}
+    kept = retry_headers(error.headers)
     return provider_error(provider, 429, error.message, kept, code="rate_limit_exceeded")
 
 

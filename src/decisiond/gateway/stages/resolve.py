@@ -1,7 +1,8 @@
 """Stage: the model a request names, resolved to the name the router serves (aliases, ``default``, and the
 served model for lenient dialects that accept any name). Unknown names on OpenAI's shape → 400 ``model_not_found``.
-``/v1/score`` needs a local model. Chat traffic names its model as it is (no default): a chat-capable model of an
-OpenAI-shaped provider, else 404 (unknown) or 400 (a decision model)."""
+``/v1/score`` needs a local model. Chat traffic names a chat-capable model of an OpenAI-shaped provider (no
+default), else 404 (unknown) or 400 (a decision model). Every spelling resolves to the one model it means
+(``gateway.catalog``), and every later stage keys its policy on that name."""
 
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ class ResolveModel:
         if context.operation == "score":
             context.resolved_model = self.router.score_target(request.model).name
         elif context.operation == "chat":
-            self.router.chat_target(request.model)
-            context.resolved_model = request.model
+            context.resolved_model = self.router.resolve_chat(request.model)
         else:
             context.resolved_model = self.router.resolve_name(request.model, context.strict_model)
         return await call_next(context, request)

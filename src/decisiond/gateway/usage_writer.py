@@ -1,0 +1,282 @@
+"""Writing usage rows: each record is journaled before its response leaves (``journal``), then moved to the database
+in batches by a background task, off the request path. An answered request always leaves its usage row.
+
+``UsageWriter.submit(record)`` never waits and never fails the request: the record gets a unique ``record_id`` and
+is appended to this process's journal. The background task seals the journal's open segment, inserts its records
+in batches of ``limits.USAGE_BATCH`` rows (one transaction a batch, ``INSERT … ON CONFLICT (record_id) DO
+NOTHING``), then deletes the segment. When the database cannot be reached, the segments wait on disk and the write is
+retried with a growing pause (up to ``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. At start, and
+every ``USAGE_ORPHAN_SCAN_S``, the journals of processes that died are written the same way (a replay inserts a
+record that is already in the database no second time).
+
+A bad record never blocks the others: values are fitted to the schema before the insert (``fit``), and a batch that
+still fails while the database answers is split until the record at fault is alone; it goes to the journal's
+``dead-letter.jsonl`` and is counted (``dead_letters``, the metric ``decisiond_usage_dead_letters_total``), and the
+rest go in. Only when the journal's disk refuses a record is it held in memory (at most ``USAGE_QUEUE_MAX``; beyond,
+it is dropped, counted in ``lost`` and logged). ``aclose()`` writes what is journaled (for up to
+``USAGE_FLUSH_TIMEOUT_S``); what the database did not take stays in the journal for the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import String, delete, text
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ..errors import one_line
+from ..limits import (
+    USAGE_BATCH,
+    USAGE_CUT_MARKER,
+    USAGE_FLUSH_TIMEOUT_S,
+    USAGE_ORPHAN_SCAN_S,
+    USAGE_PURGE_INTERVAL_S,
+    USAGE_QUEUE_MAX,
+    USAGE_RETRY_MAX_S,
+)
+from ..store.db import Database
+from ..store.tables import UsageRow
+from .journal import Journal, read_segment
+from .usage import UsageRecord
+
+log = logging.getLogger("decisiond.usage")
+
+
+class DatabaseDown(Exception):
+    """The database could not be reached: the records stay where they are (the journal) and are retried."""
+
+
+def _fit_text(text: str, length: int | None) -> str:
+    text = text.replace("\x00", "\ufffd")
+    if not text.isascii():  # a lone surrogate (from an upstream's JSON) cannot be stored: "?" in its place
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    if length is not None and len(text) > length:
+        keep = max(0, length - len(USAGE_CUT_MARKER))
+        text = text[:keep] + USAGE_CUT_MARKER[:length - keep]
+    return text
+
+
+def fit(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` made to fit the usage table before it is inserted: a string longer than its column is cut to the
+    column's size, ending in ``USAGE_CUT_MARKER`` (a guardrail list, a model name: PostgreSQL refuses the whole
+    insert otherwise); NUL characters and lone surrogates, which PostgreSQL refuses, are replaced; a missing value
+    takes its column's default; keys that are no column are left out."""
+    out: dict[str, Any] = {}
+    for column in UsageRow.__table__.columns:
+        if column.primary_key:
+            continue
+        value = row.get(column.name)
+        if value is None and not column.nullable and column.default is not None:
+            value = column.default.arg
+        if isinstance(column.type, String) and value is not None:
+            value = _fit_text(str(value), column.type.length)
+        out[column.name] = value
+    return out
+
+
+def _insert_ignoring(dialect: str) -> Any:
+    """INSERT … ON CONFLICT (record_id) DO NOTHING: a record replayed from the journal is inserted once."""
+    statement = postgresql.insert(UsageRow) if dialect == "postgresql" else sqlite.insert(UsageRow)
+    return statement.on_conflict_do_nothing(index_elements=["record_id"])
+
+
+@dataclass
+class UsageWriter:
+    """Journals each record (``submit``) and moves journaled records to the database in the background."""
+
+    db: Database
+    retention_days: int | None = None
+    journal: Journal | None = None
+    queue_max: int = USAGE_QUEUE_MAX
+    # Records the journal could not take (its disk refused them), held in memory up to queue_max.
+    buffer: list[dict[str, Any]] = field(default_factory=list)
+    lost: int = 0
+    written: int = 0
+    dead_letters: int = 0
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _scan_at: float = 0.0
+    _task: asyncio.Task[None] | None = None
+    _purger: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="usage-writer")
+        if self.retention_days is not None:
+            self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
+
+    def submit(self, record: UsageRecord) -> None:
+        """Journal ``record`` (before its response leaves); the writer takes it from there. Never waits."""
+        row = {**record.row(), "record_id": uuid.uuid4().hex}
+        if self.journal is not None:
+            try:
+                self.journal.append(row)
+                self._wake.set()
+                return
+            except OSError as error:
+                log.error("usage record not journaled: kept in memory until it is written",
+                          extra={"request_id": record.request_id, "error": one_line(error)})
+        if len(self.buffer) >= self.queue_max:
+            self.lost += 1
+            if self.lost == 1 or self.lost % 1000 == 0:
+                log.error("usage record dropped: neither the journal nor the writer's queue could take it",
+                          extra={"lost": self.lost, "queue_max": self.queue_max, "request_id": record.request_id})
+            return
+        self.buffer.append(row)
+        self._wake.set()
+
+    def _scan_due(self) -> bool:
+        """Whether to look for dead processes' journals now: at start (even when already stopping), then every
+        USAGE_ORPHAN_SCAN_S while running."""
+        if self.journal is None or time.monotonic() < self._scan_at:
+            return False
+        return self._scan_at == 0.0 or not self._stop.is_set()
+
+    def _pending(self) -> bool:
+        journal = self.journal
+        return bool(self.buffer) or (journal is not None and bool(journal.pending or journal.sealed()))
+
+    async def _run(self) -> None:
+        pause = 0.25
+        while True:
+            if not self._pending() and not self._scan_due():
+                if self._stop.is_set():
+                    return
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, self._scan_at - time.monotonic()))
+                continue
+            try:
+                await self._drain()
+                pause = 0.25
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                if self._stop.is_set():
+                    raise
+                log.warning("usage records not written yet: database unavailable; retrying",
+                            extra={"retry_in_s": pause, "error": one_line(error)})
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), pause)
+                pause = min(pause * 2, USAGE_RETRY_MAX_S)
+
+    async def _drain(self) -> None:
+        """Write what is journaled (this process's sealed segments, then dead processes' journals when a scan is
+        due) and what waits in memory; ``DatabaseDown`` leaves the rest for the next try."""
+        journal = self.journal
+        if journal is not None:
+            journal.seal()
+            for segment in journal.sealed():
+                await self._write_rows(read_segment(segment))
+                journal.done(segment)
+            if self._scan_due():
+                await self._replay_orphans(journal)
+                self._scan_at = time.monotonic() + USAGE_ORPHAN_SCAN_S
+        while self.buffer:
+            batch = self.buffer[:USAGE_BATCH]
+            await self._insert(batch)
+            del self.buffer[:len(batch)]
+
+    async def _replay_orphans(self, journal: Journal) -> None:
+        for orphan in journal.orphans():
+            before = self.written
+            try:
+                for segment in orphan.segments:
+                    await self._write_rows(read_segment(segment))
+                    segment.unlink(missing_ok=True)
+            finally:
+                orphan.release()
+            log.info("usage journal of a stopped process replayed",
+                     extra={"journal": str(orphan.lock), "records": self.written - before})
+
+    async def _write_rows(self, rows: Iterator[dict[str, Any]]) -> None:
+        while batch := list(itertools.islice(rows, USAGE_BATCH)):
+            await self._insert(batch)
+
+    async def _insert(self, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` in one transaction. When that fails while the database answers, the batch is split until
+        the record at fault is alone: it goes to the dead-letter file, the others go in."""
+        try:
+            async with self.db.session() as session, session.begin():
+                await session.execute(_insert_ignoring(self.db.dialect), [fit(r) for r in rows])
+            self.written += len(rows)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            failure = error
+        if not await self._reachable():
+            raise DatabaseDown(one_line(failure)) from failure
+        if len(rows) > 1:
+            half = len(rows) // 2
+            await self._insert(rows[:half])
+            await self._insert(rows[half:])
+            return
+        self.dead_letters += 1
+        log.error("usage record refused by the database: kept in the dead-letter file",
+                  extra={"request_id": rows[0].get("request_id"), "record_id": rows[0].get("record_id"),
+                         "error": one_line(failure)})
+        if self.journal is not None:
+            self.journal.dead_letter(rows[0], one_line(failure))
+
+    async def _reachable(self) -> bool:
+        try:
+            async with self.db.session() as session:
+                await session.execute(text("SELECT 1"))
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
+
+    async def aclose(self) -> None:
+        """Write what is journaled (retrying until USAGE_FLUSH_TIMEOUT_S), then stop. What the database did not
+        take stays in the journal, for the next start."""
+        if self._purger is not None:
+            self._purger.cancel()
+        self._stop.set()
+        self._wake.set()
+        deadline = time.monotonic() + USAGE_FLUSH_TIMEOUT_S
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._task), USAGE_FLUSH_TIMEOUT_S)
+            self._task.cancel()
+        while self._pending() and time.monotonic() < deadline:
+            try:
+                await self._drain()
+            except Exception:
+                await asyncio.sleep(0.5)
+        if self.journal is not None:
+            self.journal.close()
+        if self.buffer:
+            self.lost += len(self.buffer)
+            log.error("usage records lost at shutdown: neither the journal nor the database took them",
+                      extra={"lost": len(self.buffer)})
+            self.buffer.clear()
+
+    async def _purge_loop(self) -> None:
+        while True:
+            try:
+                await self.purge()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("usage retention purge failed", extra={"error": f"{type(error).__name__}: {error}"})
+            await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
+
+    async def purge(self) -> int:
+        """Delete rows older than ``retention_days``; returns how many."""
+        if self.retention_days is None:
+            return 0
+        cutoff = datetime.now(timezone.utc) - timedelta(days=self.retention_days)
+        async with self.db.session() as session, session.begin():
+            result = await session.execute(delete(UsageRow).where(UsageRow.time < cutoff))
+        return int(getattr(result, "rowcount", 0) or 0)
