@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from .common import build_router, load_config, refuse
 
-from .common import refuse
-
 if TYPE_CHECKING:
     from ..engine.local import LocalEngine
 
