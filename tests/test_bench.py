@@ -52,3 +52,15 @@ def runner_report(data: dict) -> dict:
     rows = [measure.Row(r["workload"], r["mode"], r["requests"], r["questions"], r["seconds"], r["latencies"])
             for r in data["rows"]]
     return {**data, "rows": rows}
+
+
+def test_bench_on_a_missing_gpu_fails_with_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    done = run_decisiond("bench", "--device", "cuda", "--dtype", "bfloat16", "--tickets", "1",
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 2 and not done.stdout
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("decisiond: --device cuda: no CUDA device is available here")

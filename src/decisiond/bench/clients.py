@@ -47,9 +47,9 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen[bytes],
 
 
 @contextmanager
-def serving(model: str, dtype: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A ``decisiond serve`` of ``model`` for the block's duration: (its process, its URL)."""
-    process, url = start_server(model, ["--dtype", dtype])
+def serving(model: str, extra: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A ``decisiond serve --model model *extra`` for the block's duration: (its process, its URL)."""
+    process, url = start_server(model, extra)
     try:
         yield process, url
     finally:

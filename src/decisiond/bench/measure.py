@@ -71,6 +71,16 @@ def peak_rss_mb(pid: int | None = None) -> float:
     return float("nan")
 
 
+def reset_peak_rss(pid: int) -> bool:
+    """Start ``pid``'s high-water mark again from its current RSS (Linux: ``clear_refs`` 5), so that the next reading
+    is the peak of what came after. False where the system does not allow it (the peaks then accumulate)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------- naive
 
 
@@ -91,7 +101,7 @@ def naive_decide(model: Any, tokenizer: Any, request: DecisionRequest) -> list[l
                 raise ValueError(f"label {label} is not one token")
             label_ids.append(ids[-1])
         with torch.inference_mode():
-            logits = model(torch.tensor([input_ids])).logits[0, -1]
+            logits = model(torch.tensor([input_ids], device=model.device)).logits[0, -1]
         logprobs = torch.log_softmax(logits.double(), dim=-1)
         out.append(label_probabilities([float(logprobs[i]) for i in label_ids]))
     return out
@@ -130,23 +140,30 @@ class MatmulRate:
     shared machine's slower minutes lower single probes (178 and 269 GFLOP/s were read in two runs), and only the
     best rate keeps the bound a bound."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, tokens: int = 512):
-        self.shape, self.dtype = (tokens, hidden, intermediate), dtype
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 tokens: int = 512):
+        self.shape, self.dtype, self.device = (tokens, hidden, intermediate), dtype, torch.device(device)
         self.rates: list[float] = []
 
     def probe(self) -> float:
         tokens, hidden, intermediate = self.shape
-        a = torch.randn(tokens, hidden, dtype=self.dtype)
-        b = torch.randn(hidden, intermediate, dtype=self.dtype)
+        a = torch.randn(tokens, hidden, dtype=self.dtype, device=self.device)
+        b = torch.randn(hidden, intermediate, dtype=self.dtype, device=self.device)
         for _ in range(3):
             a @ b
         times = []
         for _ in range(10):
+            self._sync()
             t = time.perf_counter()
             a @ b
+            self._sync()
             times.append(time.perf_counter() - t)
         self.rates.append(2 * tokens * hidden * intermediate / min(times))
         return self.rates[-1]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def best(self) -> float:
@@ -157,20 +174,34 @@ def flop_work(engine: LocalEngine, requests: list[DecisionRequest],
               asked_before: list[DecisionRequest] | None = None) -> dict[str, Any]:
     """FLOPs the workload needs, computing each distinct token once: per request, the radix tree of its prompts
     without the template header (computed once for the run), or, for a document ``asked_before``, without the part
-    it shares with that earlier request; logits at each answer."""
+    it shares with that earlier request; logits at each answer; and each computed token's attention over every
+    earlier token of its prompt, cached ones included (they must be read: a document asked again is attended to in
+    full by its new tokens)."""
     model = engine.loaded.model
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     total = sum(p.numel() for p in model.parameters())
     body = total - embed.numel() - (0 if head is embed else head.numel())
     header = len(engine.prompter.header_ids(engine.prompter.template_kwargs({})))
-    unique, targets = 0 if asked_before else header, 0
+    unique, targets, keys = 0 if asked_before else header, 0, 0
     for i, request in enumerate(requests):
         prompts = [q.prompt.ids for q in engine.prepare(request).questions]
         skip = header
         if asked_before:
             earlier = engine.prepare(asked_before[i]).questions[0].prompt.ids
             skip = max(skip, common_prefix([prompts[0], earlier]))
-        unique += len(pack(prompts, min(skip, min(len(p) for p in prompts) - 1)))
+        row = pack(prompts, min(skip, min(len(p) for p in prompts) - 1))
+        unique += len(row)
+        keys += sum(p + 1 for p in row.positions)  # a token at position p attends to p + 1 keys
         targets += len(prompts)
+    attention = attention_flops_per_key(model.config) * keys
     return {"body_params": body, "head_params": head.numel(), "unique_tokens": unique, "targets": targets,
-            "flops": 2 * body * unique + 2 * head.numel() * targets}
+            "attended_keys": keys, "attention_flops": attention,
+            "flops": 2 * body * unique + 2 * head.numel() * targets + attention}
+
+
+def attention_flops_per_key(config: Any) -> int:
+    """One query against one key, over all layers: scores (q·k) and the weighted sum of values, 2 FLOPs a
+    multiply-add each, for every attention head."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 4 * int(config.num_hidden_layers) * int(config.num_attention_heads) * int(head_dim)

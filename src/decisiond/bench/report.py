@@ -33,6 +33,17 @@ def speedups(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def spreads(report: dict[str, Any]) -> dict[str, float]:
+    """p95 / p50 of the request latencies with the most concurrent HTTP clients, per workload: how evenly the
+    server treats its clients."""
+    most = report["clients"][-1] if report.get("clients") else None
+    out = {}
+    for r in report["rows"]:
+        if most is not None and r.mode == f"{HTTP}, {most} clients" and r.latencies:
+            out[f"{r.workload}: HTTP {most} clients, p95 / p50 latency"] = r.percentile(0.95) / r.percentile(0.5)
+    return out
+
+
 def markdown(report: dict[str, Any], command: str) -> str:
     """benchmarks/RESULTS.md: how the run was made, a row per workload and mode, the ratios, the FLOP bounds, the
     fairness blocks (when run), the matmul probes and the agreement of the naive loop with decisiond."""
@@ -51,6 +62,7 @@ def to_json(report: dict[str, Any]) -> str:
     data["rows"] = [{**asdict(r), "qps": r.qps, "p50": r.percentile(0.5), "p95": r.percentile(0.95)}
                     for r in report["rows"]]
     data["speedups"] = speedups(report)
+    data["latency_spread"] = spreads(report)
     return json.dumps(data, indent=2, default=str)
 
 
@@ -60,13 +72,17 @@ def _introduction(report: dict[str, Any], command: str) -> list[str]:
         "",
         f"Reproduce: `{command}`",
         "",
-        f"Model {report['model']} ({report['dtype']}), {report['tickets']} support tickets of about 150 tokens "
-        f"(naive loop: first {report['naive_tickets']}), on {report['machine']}. All rows come from the same run; "
-        "the naive loop and the in-process engine take turns, 10 tickets each (2 for the long documents; their "
-        "times are the sums of their request latencies); only ratios are meant to carry over to other machines. "
-        "HTTP throughput rows send `Cache-Control: no-store`; the response-cache rows ask other tickets, each twice "
-        "in a row (a miss, then a hit of the same request), so that miss and hit latencies are measured side by "
-        "side." + (f" {report['note']}" if report.get("note") else ""),
+        f"Model {report['model']} ({report['dtype']}, on {report.get('device', 'cpu')}), {report['tickets']} support "
+        f"tickets of about 150 tokens (naive loop: first {report['naive_tickets']}), on {report['machine']}. All "
+        "rows come from the same run; the naive loop and the in-process engine take turns, 10 tickets each (2 "
+        "documents of the long workload, 1 of the documents asked once and again; their times are the sums of "
+        "their request latencies); only ratios are meant to carry "
+        "over to other machines. Each HTTP phase asks tickets of its own, and the in-process rows others again, so "
+        "that no row finds another's prompts in the prefix cache; one server answers every HTTP workload. HTTP "
+        "throughput rows send `Cache-Control: no-store`; the response-cache rows ask other tickets, each twice in a "
+        "row (a miss, then a hit of the same request), so that miss and hit latencies are measured side by side. "
+        "Documents asked again are asked two at a time right after their first ask, while the prefix cache holds "
+        "them." + (f" {report['note']}" if report.get("note") else ""),
         "",
     ]
 
@@ -86,10 +102,17 @@ def _rows(report: dict[str, Any]) -> list[str]:
 def _ratios(report: dict[str, Any]) -> list[str]:
     lines = ["", "Target ratios (same run):", ""]
     lines += [f"- {k}: **{v:.2f}×**" for k, v in speedups(report).items()]
+    lines += [f"- {k}: **{v:.2f}**" for k, v in spreads(report).items()]
     lines += [f"- p99 of `GET /health` while {k} post: **{v * 1000:.0f} ms**"
               for k, v in report.get("health_p99_s", {}).items()]
-    lines.append(f"- server peak RSS (VmHWM): **{report['server_peak_rss_mb'] or 0:.0f} MB**; benchmark process "
-                 f"(naive loop and in-process engine, one shared model): {report['bench_peak_rss_mb']:.0f} MB")
+    by_workload = report.get("server_peak_rss_mb_by_workload") or {}
+    each = "; ".join(f"{k} {v:.0f} MB" for k, v in by_workload.items())
+    budget = report.get("prefix_cache_mb")
+    lines.append(f"- server peak RSS (VmHWM), one server through every HTTP workload: "
+                 f"**{report['server_peak_rss_mb'] or 0:.0f} MB**" + (f" (per workload: {each})" if each else "")
+                 + (f", prefix cache budget {budget:.0f} MB" if budget is not None else "")
+                 + f"; benchmark process (naive loop and in-process engine, one shared model): "
+                 f"{report['bench_peak_rss_mb']:.0f} MB")
     return lines
 
 
@@ -98,16 +121,19 @@ def _bounds(report: dict[str, Any]) -> list[str]:
         "",
         "FLOP bound: 2 × non-embedding parameters × tokens that must be computed (each request's prompts as a radix "
         "tree, without the chat template's header, which is computed once for the run; for a document asked again, "
-        "without the part its first ask computed) + 2 × head parameters × answers, at the best matmul rate probed "
-        "on this machine during the run; attention and element-wise work are left out, so the bound is below what "
-        "any implementation can reach.",
+        "without the part its first ask computed) + 2 × head parameters × answers + attention: each computed token "
+        "against every earlier token of its prompt, cached ones included (4 × layers × heads × head size FLOPs a "
+        "key: a document asked again must still be read by its new tokens), at the best matmul rate probed on this "
+        "machine during the run; element-wise work is left out, so the bound is below what any implementation can "
+        "reach.",
         "",
-        "| workload | tokens that must be computed | answers | FLOPs | best matmul GFLOP/s | bound (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| workload | tokens that must be computed | answers | attention FLOPs | FLOPs | best matmul GFLOP/s | "
+        "bound (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, b in report["bounds"].items():
-        lines.append(f"| {name} | {b['unique_tokens']} | {b['targets']} | {b['flops']:.3g} | "
-                     f"{b['matmul_flops_per_s'] / 1e9:.0f} | {b['seconds']:.1f} |")
+        lines.append(f"| {name} | {b['unique_tokens']} | {b['targets']} | {b.get('attention_flops', 0):.3g} | "
+                     f"{b['flops']:.3g} | {b['matmul_flops_per_s'] / 1e9:.0f} | {b['seconds']:.2f} |")
     return lines
 
 

@@ -107,7 +107,12 @@ EXTRA = [
 QUESTION_SETS = {1: (URGENT,), 3: (TEAM, FRUSTRATION, URGENT), 10: (TEAM, FRUSTRATION, URGENT, *EXTRA)}
 
 
-def requests(count: int = 200, questions: int = 3, seed: int = 7) -> list[DecisionRequest]:
+# The in-process tickets of a question set of n questions are drawn with seed TICKETS_SEED + n, each HTTP phase's
+# with another seed: no workload finds another's tickets in the prefix cache.
+TICKETS_SEED = 7
+
+
+def requests(count: int = 200, questions: int = 3, seed: int = TICKETS_SEED) -> list[DecisionRequest]:
     rng = random.Random(seed)
     chosen = QUESTION_SETS[questions]
     return [DecisionRequest((Message("user", (Text(ticket(rng)),)),), chosen)
@@ -128,6 +133,8 @@ AGAIN = "2K doc, asked again"  # the same documents asked a new question: found 
 LONG_QUESTIONS = (TEAM, FRUSTRATION, URGENT, EXTRA[0], EXTRA[4])  # 5 questions
 ASK_FIRST = EXTRA[5]  # the churn question
 ASK_AGAIN = EXTRA[6]  # the bug question
+# Documents first asked together, then asked again (while the prefix cache's default budget still holds them).
+ASKED_TOGETHER = 2
 
 
 def document(rng: random.Random, tickets: int = 13) -> str:

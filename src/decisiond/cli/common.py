@@ -58,8 +58,10 @@ def add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait-ms", type=float, default=2.0,
                    help="how long the scheduler waits for more requests to join a batch (default 2 ms)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
-                   help="memory for KV caches of prompt prefixes kept across requests, so a document asked again "
-                        "is not recomputed (default: 1/16 of the machine's memory, at most 2048; 0 turns it off)")
+                   help="memory for KV caches of prompt prefixes kept across requests (least recently used out "
+                        "first), so a document asked again is not recomputed (default: sized for the model, the KV "
+                        "of one full context window, at most half the weights: 257 for the embedded model; 0 turns "
+                        "it off)")
     p.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
                    help="tokens one request may make the model compute after prefix sharing; more is refused with "
                         f"400 (default {DEFAULT_MAX_REQUEST_TOKENS})")

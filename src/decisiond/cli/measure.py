@@ -66,6 +66,12 @@ def register_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     bench = sub.add_parser("bench", help="measure the naive loop, decisiond in-process and over HTTP, side by side")
     bench.add_argument("--model", default="default")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--device", default="auto",
+                       help="cpu, cuda, cuda:1… for the in-process engine, the naive loop and the server "
+                            "(default: cuda when available)")
+    bench.add_argument("--prefix-cache-mb", type=float, default=None,
+                       help="the prefix cache's budget, in-process and in the server (default: the engine's, sized "
+                            "for the model)")
     bench.add_argument("--tickets", type=int, default=200, help="support tickets per workload (default 200)")
     bench.add_argument("--questions", default="3,10", help="question-set sizes to run (default 3,10)")
     bench.add_argument("--clients", default="1,4,16", help="concurrent HTTP clients per phase (default 1,4,16)")
@@ -183,13 +189,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """The side-by-side benchmark; writes markdown (and JSON) reports."""
     # Lazy: the benchmark imports torch (start-up time).
     from ..bench import runner
+    from ..engine.model import ModelNotFound
 
-    report = runner.run(model=args.model, tickets=args.tickets,
-                        question_sets=tuple(int(x) for x in args.questions.split(",") if x),
-                        clients=tuple(int(x) for x in args.clients.split(",")),
-                        naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
-                        fairness_blocks=args.fairness,
-                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        report = runner.run(model=args.model, tickets=args.tickets,
+                            question_sets=tuple(int(x) for x in args.questions.split(",") if x),
+                            clients=tuple(int(x) for x in args.clients.split(",")),
+                            naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
+                            fairness_blocks=args.fairness, device=args.device, prefix_cache_mb=args.prefix_cache_mb,
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ModelNotFound as error:
+        return refuse(error)
     command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench"
     text = runner.markdown(report, args.command_line or command)
     print(text)

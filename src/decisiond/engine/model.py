@@ -30,6 +30,10 @@ class ModelNotFound(RuntimeError):
     pass
 
 
+class DeviceUnavailable(ModelNotFound):
+    """The device asked for (``--device cuda``) is not on this machine, or this torch cannot use it."""
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -122,9 +126,17 @@ def resolve(spec: str | None) -> tuple[str, str]:
 def pick_device(device: str | None) -> str:
     import torch
 
-    if device and device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if not device or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            built = "built without CUDA" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise DeviceUnavailable(f"--device {device}: no CUDA device is available here (torch {torch.__version__}, "
+                                    f"{built}); use --device cpu")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise DeviceUnavailable(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def check_cpu_dtype(dtype: str) -> None:

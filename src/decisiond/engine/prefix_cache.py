@@ -2,15 +2,15 @@
 
 - ``Lru``: a few entries keyed by client-controlled values (``chat_template_kwargs``, rendered questions): a
   client that sends a new value each time can fill it, so it holds at most ``entries`` values.
-- ``PrefixCache``: values (a backend's KV cache) keyed by token sequences and bounded in bytes. A lookup returns
-  the entry that shares the longest prefix with the asked tokens, with the length shared: the first ``m`` tokens
-  of an entry's KV cache depend only on those ``m`` tokens, so any shared prefix is reusable, not only exact
-  matches.
+- ``PrefixCache``: values (a backend's KV cache) keyed by token sequences and bounded in bytes, least recently
+  used out first. A lookup returns the entry that shares the longest prefix with the asked tokens, with the length
+  shared: the first ``m`` tokens of an entry's KV cache depend only on those ``m`` tokens, so any shared prefix is
+  reusable, not only exact matches. Entries may share memory (a document's KV under several extensions of it):
+  each shared part is counted once.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -53,63 +53,88 @@ class Lru(Generic[V]):
         return len(self._data)
 
 
-def default_prefix_cache_bytes() -> int:
-    """A sixteenth of the machine's memory, at most 2 GiB."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        memory = 8 << 30
-    return min(memory // 16, 2 << 30)
+def default_prefix_cache_bytes(weight_bytes: int, kv_bytes_per_token: int, context_length: int) -> int:
+    """The prefix cache's default budget, sized for the model, not the machine: the KV cache of one full context
+    window, at most half the weights' bytes (SmolLM2-135M in float32: 8,192 tokens × 45 KiB would be 360 MiB, so
+    half of its 513 MiB of weights, 257 MiB: about 5,700 cached tokens, two or three ~2,000-token documents).
+    Whatever the cache holds, the server holds in memory besides the weights; ``--prefix-cache-mb`` changes it."""
+    return max(0, min(kv_bytes_per_token * context_length, weight_bytes // 2))
 
 
 class PrefixCache:
-    """Least recently used values keyed by token prefixes, at most ``max_bytes`` in all."""
+    """Least recently used values keyed by token prefixes, at most ``max_bytes`` in all.
+
+    A value's memory is given as parts (``(id, bytes)``): values that share a part (prefixes of one document, each
+    extended by its own question) count it once, and it is freed from the count when the last value holding it is
+    evicted."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        # key -> (tokens as an array for fast comparison, value, size in bytes)
-        self._data: OrderedDict[tuple[int, ...], tuple[np.ndarray, Any, int]] = OrderedDict()
+        # key -> (tokens as an array for fast comparison, value, its parts)
+        self._data: OrderedDict[tuple[int, ...], tuple[np.ndarray, Any, list[tuple[Hashable, int]]]] = OrderedDict()
+        # part id -> (bytes, values holding it)
+        self._parts: dict[Hashable, list[int]] = {}
         self._lock = threading.Lock()
 
     def longest(self, tokens: Sequence[int]) -> tuple[int, Any]:
-        """``(m, value)``: the entry sharing the longest prefix with ``tokens`` and the ``m`` tokens shared; ``(0,
-        None)`` when none shares a token."""
+        """``(m, value)``: the entry sharing the longest prefix with ``tokens`` (the most recently used of equals) and
+        the ``m`` tokens shared; ``(0, None)`` when none shares a token. The entry counts as used only when the
+        match covers at least half of it: every prompt shares the chat header with every entry, and refreshing
+        whichever entry a header-only match lands on would keep that one forever and evict the others."""
         query = np.asarray(tokens, dtype=np.int64)
         best, best_key = 0, None
         with self._lock:
             for key, (array, _, _) in self._data.items():
                 shared = _shared(array, query)
-                if shared > best:
+                if shared and shared >= best:
                     best, best_key = shared, key
             if best_key is None:
                 return 0, None
-            self._data.move_to_end(best_key)
+            if 2 * best >= len(best_key):
+                self._data.move_to_end(best_key)
             return best, self._data[best_key][1]
 
-    def put(self, tokens: Sequence[int], value: Any, nbytes: int) -> bool:
+    def put(self, tokens: Sequence[int], value: Any, parts: Sequence[tuple[Hashable, int]]) -> bool:
         """Store ``value`` for ``tokens``, evicting least recently used entries to stay within the budget. Entries
         whose tokens are a prefix of ``tokens`` are dropped (the new one serves them); nothing is stored when an
         entry already extends ``tokens``. Returns whether it was stored."""
         key = tuple(tokens)
-        if nbytes > self.max_bytes or not key:
+        if sum(size for _, size in parts) > self.max_bytes or not key:
             return False
         array = np.asarray(key, dtype=np.int64)
         with self._lock:
-            for other, (other_array, _, size) in list(self._data.items()):
+            for other, (other_array, _, _) in list(self._data.items()):
                 shared = _shared(other_array, array)
                 if shared == len(key):  # an entry holds these tokens already
                     self._data.move_to_end(other)
                     return False
                 if shared == len(other):
-                    del self._data[other]
-                    self.bytes -= size
-            self._data[key] = (array, value, nbytes)
-            self.bytes += nbytes
+                    self._drop(other)
+            self._data[key] = (array, value, list(parts))
+            for part, size in parts:
+                held = self._parts.setdefault(part, [size, 0])
+                held[1] += 1
+                self.bytes += size if held[1] == 1 else 0
             while self.bytes > self.max_bytes:
-                _, (_, _, size) = self._data.popitem(last=False)
-                self.bytes -= size
+                self._drop(next(iter(self._data)))
             return True
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict least recently used entries until ``nbytes`` more fit the budget: called before a new block of KV
+        is allocated, so that the block being computed (cached when done) is within the budget already."""
+        with self._lock:
+            while self._data and self.bytes + nbytes > self.max_bytes:
+                self._drop(next(iter(self._data)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        _, _, parts = self._data.pop(key)
+        for part, size in parts:
+            held = self._parts[part]
+            held[1] -= 1
+            if not held[1]:
+                del self._parts[part]
+                self.bytes -= size
 
     def __len__(self) -> int:
         return len(self._data)
@@ -117,6 +142,7 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._parts.clear()
             self.bytes = 0
 
 

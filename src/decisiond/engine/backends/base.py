@@ -28,9 +28,10 @@ Example, a backend for any callable that gives next-token log-probs of one promp
     engine = LocalEngine(loaded, backend=OnePassBackend(my_fn, 49152))
 
 A backend that can stop between forward passes also offers ``steps(groups)``: a generator that yields after each
-pass (the tokens it computed) and returns what ``score`` would. The scheduler then interleaves the passes of
-different requests, so a small request is not stuck behind a large one, and stops computing a request whose
-callers have all gone. A backend without ``steps`` is run as one step (``stepwise``).
+pass but the last (the tokens it computed) and returns what ``score`` would right after its last pass, so that the
+answers go out as soon as they are computed. The scheduler then interleaves the passes of different requests, so a
+small request is not stuck behind a large one, and stops computing a request whose callers have all gone. A backend
+without ``steps`` is run as one step (``stepwise``).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Backend(Protocol):
         ...
 
 
-# Yields the tokens of each forward pass; returns one ``Scored`` per group.
+# Yields the tokens of each forward pass but the last; returns one ``Scored`` per group after the last.
 Steps = Generator[int, None, list[Scored]]
 
 
@@ -89,9 +90,8 @@ def stepwise(backend: Backend, groups: Sequence[Group]) -> Steps:
     """The backend's steps, or its whole ``score`` as one step."""
     if isinstance(backend, SteppedBackend):
         return (yield from backend.steps(groups))
-    scored = backend.score(groups)
-    yield sum(s.computed_tokens for s in scored)
-    return scored
+    return backend.score(groups)
+    yield 0  # unreachable: makes this a generator (one step, which returns the answers)
 
 
 def run_steps(steps: Steps) -> list[Scored]:

@@ -3,18 +3,25 @@
 How a batch of requests (groups) is computed, top to bottom:
 
 1. **Plan each group.** Its prompts share a prefix ``P`` (template header and document; at least one token of
-   every prompt is left out of it, to be read at). The cross-request ``PrefixCache`` gives the KV cache of the
-   longest cached prefix of ``P``: ``k`` tokens that need no compute. ``P[k:]`` is **prefilled in chunks** of at
-   most ``max_batch_tokens`` into that KV cache (and the result cached), and the prompts' own tails, packed as a
-   radix tree (``packing``), go into rows that all attend to it: a shared prefix of any length is computed once,
-   whatever the row budget. The prefix always takes this path, even when prefix and tails would fit one row, so a
-   request asked again gets bit-identical answers from the cached prefix (the tails see the same KV values).
-   Prefill chunks and passes take at most ``step_budget`` tokens: ``max_batch_tokens``, or an eighth of it for a
-   large request or while others wait, so that the scheduler can answer them between two short passes.
-2. **Run the rows** (tails packed to at most ``ROW_TOKENS``) in passes of at most ``step_budget`` padded tokens.
-   Rows of different groups have different pasts: each row's cached prefix is laid into a padded past of the
-   longest one, and a 4-D mask lets each token see its own row's past and its own prompt's earlier tokens; explicit
-   positions put every token at its place in its own prompt.
+   every prompt is left out of it, to be read at). The cross-request ``PrefixCache`` gives the KV of the longest
+   cached prefix of ``P`` (``kv.Chain``): ``k`` tokens that need no compute — at least the chat template's header
+   once any request has been answered. Then either
+   - **one row**: when ``P[k:]`` and the prompts' own tails fit one pass (a short request), they are packed as a
+     radix tree (``packing``) into a single row after the cached ``k`` tokens: one forward pass for the request,
+     which also writes ``P[k:]``'s KV into a new block for the cache; or
+   - **prefill, then tails**: ``P[k:]`` is prefilled in chunks into a new block (and the result cached), and the
+     prompts' own tails, packed, go into rows that all attend to it: a shared prefix of any length is computed
+     once, whatever the row budget.
+   A prefix extending a cached one holds the cached blocks and a block of its own new tokens (``kv``): a document
+   asked again is never copied. A request asked again computes only its tails against the cached prefix; its
+   answers then differ from the first ask's at float rounding only (about 1e-7 in float32).
+   Prefill chunks and passes take at most ``step_budget`` tokens, which the scheduler sets: ``max_batch_tokens``
+   for small requests, an eighth of it for a large request while others wait (so that it can answer them between
+   two short passes), half of it for a large request alone.
+2. **Run the rows** (tails packed to at most one pass) in passes of at most ``step_budget`` padded tokens.
+   Rows of different groups have different pasts: each attention layer reads each row's past, padded to the
+   longest one (``kv.PassCache``), and a 4-D mask lets each token see its own row's past and its own prompt's
+   earlier tokens; explicit positions put every token at its place in its own prompt.
 3. **Read** the log-softmax over the full vocabulary at each prompt's last token, in float64.
 
 Models whose attention is not plain causal over the whole context (sliding windows, mixed layer types) take the
@@ -24,6 +31,7 @@ Models whose attention is not plain causal over the whole context (sliding windo
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,15 +39,14 @@ from typing import Any
 import torch
 
 from ...limits import DEFAULT_MAX_BATCH_TOKENS
+from ..kv import Block, Chain, Geometry, PassCache, Store
 from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
 
-# Rows of question tails are packed to at most this many tokens, so that passes can be cut small (``step_budget``)
-# when other requests are waiting; uncontended, several rows still share one pass of ``max_batch_tokens``.
+# Rows of question tails are packed to at most one pass (``step_budget``) and at least this many tokens: passes are
+# cut small while other requests wait, and one row a pass then reads its document's KV once.
 ROW_TOKENS = 128
-
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, kv heads, tokens, head dim]
 
 
 @dataclass
@@ -56,15 +63,15 @@ class Stats:
 
 @dataclass
 class RowWork:
-    """One packed row of one group, with the cached prefix it continues."""
+    """One packed row of one group, after the cached prefix it continues."""
 
     group: int
     row: PackedRow
     members: list[int]  # the group's prompt indices, in the row's target order
-    past: KV | None
-    past_len: int
-    # Prefill: the tokens whose KV this pass completes (returned by ``_forward``), or ().
-    store: tuple[int, ...] = ()
+    past: Chain
+    # The row's first tokens to write into a block (a prefix it computes), and the prefix to cache after the pass.
+    store: Store | None = None
+    keep: tuple[tuple[int, ...], Chain] | None = None
 
 
 @dataclass
@@ -90,10 +97,20 @@ class TransformersBackend:
         sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
         self.packing = impl in ("sdpa", "eager") and layer_types == {"full_attention"} and not sliding
         self.bool_mask = impl == "sdpa"
+        if self.device.type == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5):
+            # Given a mask, transformers copies each KV head once for every query head it serves before calling SDPA
+            # (three copies of a document's KV for SmolLM2, per layer and pass); torch's SDPA reads grouped heads
+            # itself (``enable_gqa``), with the same results, a third faster over a long cached document on a CPU.
+            os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
         # Padded tokens the next pass may take: ``max_batch_tokens``, or less while other requests wait (the
         # scheduler sets it before each step).
         self.step_budget = max_batch_tokens
-        self.prefixes = PrefixCache(default_prefix_cache_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
+        self.geometry = Geometry.of(model)
+        if prefix_cache_bytes is None:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            context = int(getattr(config, "max_position_embeddings", None) or 2048)
+            prefix_cache_bytes = default_prefix_cache_bytes(weights, self.geometry.bytes_per_token, context)
+        self.prefixes = PrefixCache(prefix_cache_bytes)
         self.stats = Stats()
         self.description = description
 
@@ -109,14 +126,7 @@ class TransformersBackend:
         """``score`` one forward pass at a time: yields the tokens of each pass, returns the answers. The scheduler
         runs other requests' passes in between, and stops a request nobody waits for any longer."""
         if not self.packing:
-            out = []
-            for g in groups:
-                one_by_one = []
-                for prompt, labels in zip(g.prompts, g.labels):
-                    one_by_one.append(self.reference(prompt, labels))
-                    yield len(prompt)
-                out.append(Scored(one_by_one, sum(len(p) for p in g.prompts), 0))
-            return out
+            return (yield from self._one_by_one(groups))
         plans = []
         for i, g in enumerate(groups):
             plans.append((yield from self._plan(i, g)))
@@ -127,18 +137,45 @@ class TransformersBackend:
             del rows[:len(batch)]
             for work, values in zip(batch, self._run(batch, [groups[w.group] for w in batch])):
                 logprobs[work.group].update(zip(work.members, values))
-            yield sum(len(w.row) for w in batch)
+                if work.keep is not None:
+                    self.prefixes.put(work.keep[0], work.keep[1], work.keep[1].parts())
+            if rows:  # after the last pass: the answers, at once
+                yield sum(len(w.row) for w in batch)
         return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused)
                 for g, lp, plan in zip(groups, logprobs, plans)]
+
+    def _one_by_one(self, groups: Sequence[Group]) -> Steps:
+        out, last = [], 0
+        for g in groups:
+            one_by_one = []
+            for prompt, labels in zip(g.prompts, g.labels):
+                if last:  # the pass before this one (the last pass returns at once)
+                    yield last
+                one_by_one.append(self.reference(prompt, labels))
+                last = len(prompt)
+            out.append(Scored(one_by_one, sum(len(p) for p in g.prompts), 0))
+        return out
 
     def _plan(self, index: int, group: Group) -> Generator[int, None, Plan]:
         prompts = group.prompts
         shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1)
         prefix = tuple(prompts[0][:shared])
-        k, entry = self.prefixes.longest(prefix) if shared else (0, None)
-        past = _truncate(entry, k) if k else None
+        k, cached = self.prefixes.longest(prefix) if shared else (0, None)
+        past = cached.truncate(k) if isinstance(cached, Chain) and k else Chain()
         plan = Plan(reused=k)
         self.stats.reused_tokens += k
+        if shared - k + sum(len(p) - shared for p in prompts) <= self.step_budget:
+            # A short request: its prefix and tails in one row, one pass.
+            row = pack(prompts, skip=k)
+            work = RowWork(index, row, list(range(len(prompts))), past)
+            if shared > k:
+                kept, block = self._extend(past, shared - k)
+                work.past = kept.then(block, block.filled)
+                work.store = Store(block, block.filled, shared - k)
+                work.keep = (prefix, kept.then(block, block.filled + shared - k))
+            plan.rows.append(work)
+            plan.computed = len(row)
+            return plan
         if shared > k:
             past = yield from self._prefill(prefix, past, k)
             plan.computed += shared - k
@@ -150,30 +187,43 @@ class TransformersBackend:
                 short.append(i)
                 continue
             own = yield from self._prefill(tuple(prompt[:-1]), past, k)
-            plan.rows.append(RowWork(index, pack([prompt], skip=len(prompt) - 1), [i], own, len(prompt) - 1))
+            plan.rows.append(RowWork(index, pack([prompt], skip=len(prompt) - 1), [i], own))
             plan.computed += len(prompt) - k
-        rows = split_rows([prompts[i] for i in short], min(ROW_TOKENS, self.max_batch_tokens), skip=k) \
-            if short else []
+        # Tails in rows of at most one pass (at least ROW_TOKENS): rows of one group share their past, which each row
+        # of a pass reads on its own.
+        width = min(max(ROW_TOKENS, self.step_budget), self.max_batch_tokens)
+        rows = split_rows([prompts[i] for i in short], width, skip=k) if short else []
         for members, row in rows:
-            plan.rows.append(RowWork(index, row, [short[m] for m in members], past, k))
+            plan.rows.append(RowWork(index, row, [short[m] for m in members], past))
             plan.computed += len(row)
         return plan
 
-    def _prefill(self, tokens: tuple[int, ...], past: KV | None, start: int) -> Generator[int, None, KV]:
-        """The KV cache of ``tokens``, given that of its first ``start`` tokens, computed in chunks (and cached)."""
+    def _prefill(self, tokens: tuple[int, ...], past: Chain, start: int) -> Generator[int, None, Chain]:
+        """The KV of ``tokens``, given that of its first ``start`` tokens, computed in chunks into one new block
+        (and cached)."""
+        kept, block = self._extend(past, len(tokens) - start)
+        head = block.filled
         begin = start
         while begin < len(tokens):
             end = min(begin + self.step_budget, len(tokens))
             chunk = pack([tokens[:end]], skip=begin)
-            work = RowWork(-1, chunk, [], past, begin, store=tokens[:end])
-            past = self._forward([work], want_cache=True)[1][0]
+            at = head + begin - start
+            self._forward([RowWork(-1, chunk, [], kept.then(block, at), Store(block, at, end - begin))])
             self.stats.prefill_tokens += end - begin
             yield end - begin
             begin = end
-        if past is None:
-            raise ValueError(f"prefill of {len(tokens)} tokens from {begin} computed no KV cache")
-        self.prefixes.put(tokens, past, _nbytes(past))
-        return past
+        chain = kept.then(block, head + len(tokens) - start)
+        self.prefixes.put(tokens, chain, chain.parts())
+        return chain
+
+    def _extend(self, past: Chain, new: int) -> tuple[Chain, Block]:
+        """A block for ``new`` tokens after ``past``, and the pieces of ``past`` worth holding: the block's head is a
+        copy of the others (``Chain.split_for_reuse``); ``block.filled`` tokens of it are the head."""
+        kept, copied = past.split_for_reuse()
+        self.prefixes.make_room(self.geometry.bytes_per_token * (len(copied) + new))
+        block = Block(self.geometry, len(copied) + new)
+        block.copy_from(copied)
+        return kept, block
 
     def _next_pass(self, rows: list[RowWork]) -> list[RowWork]:
         """The first rows that fit one pass of ``step_budget`` padded tokens (a longer row alone)."""
@@ -188,7 +238,7 @@ class TransformersBackend:
 
     def _run(self, batch: list[RowWork], groups: list[Group]) -> list[list[list[float]]]:
         """Label log-probs of every prompt of every row."""
-        logits, _ = self._forward(batch, want_cache=False)
+        logits = self._forward(batch)
         out = []
         for r, (work, group) in enumerate(zip(batch, groups)):
             per_prompt = []
@@ -201,12 +251,11 @@ class TransformersBackend:
     # ------------------------------------------------------------------------------ the forward pass
 
     @torch.inference_mode()
-    def _forward(self, batch: list[RowWork], want_cache: bool) -> tuple[list[dict[int, torch.Tensor]], list[KV | None]]:
-        """One forward pass over padded rows, each after its own past. Returns, per row, the logits at its targets
-        (by index in the row) and, when ``want_cache``, the KV of its first ``len(row.store)`` tokens."""
+    def _forward(self, batch: list[RowWork]) -> list[dict[int, torch.Tensor]]:
+        """One forward pass over padded rows, each after its own past, writing what each row stores. Returns, per
+        row, the logits at its targets (by index in the row)."""
         rows = [w.row for w in batch]
         count, width = len(rows), max(len(r) for r in rows)
-        past_len = max(w.past_len for w in batch)
         ids = torch.zeros(count, width, dtype=torch.long)
         positions = torch.zeros(count, width, dtype=torch.long)
         for r, row in enumerate(rows):
@@ -214,63 +263,28 @@ class TransformersBackend:
             positions[r, :len(row)] = torch.tensor(row.positions)
             positions[r, len(row):] = row.positions[-1] if len(row) else 0
         wanted = sorted({t for row in rows for t in row.targets}) or [width - 1]
-        kwargs: dict[str, Any] = {}
-        if past_len or want_cache:
-            from transformers import DynamicCache
-
-            kwargs[self.cache_arg] = DynamicCache(ddp_cache_data=self._batched_past(batch, past_len)) if past_len \
-                else DynamicCache(config=self.model.config)
+        cache = PassCache([w.past for w in batch], [w.store for w in batch])
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
-            attention_mask=self._mask(batch, width, past_len),
-            use_cache=bool(kwargs),
+            attention_mask=self._mask(batch, width, cache.past_len),
+            use_cache=True,
             logits_to_keep=torch.tensor(wanted, device=self.device),
-        **kwargs)
+            **{self.cache_arg: cache})
+        cache.finish()
         self.stats.passes += 1
         self.stats.computed_tokens += sum(len(r) for r in rows)
         self.stats.padded_tokens += count * width
         self.stats.largest_pass = max(self.stats.largest_pass, count * width)
         where = {t: k for k, t in enumerate(wanted)}
-        logits = [{t: out.logits[r, where[t]] for t in row.targets} for r, row in enumerate(rows)]
-        stored: list[KV | None] = [None] * count
-        if want_cache:
-            cache = kwargs[self.cache_arg]
-            for r, work in enumerate(batch):
-                new = len(work.store) - work.past_len
-                if work.store and new > 0:
-                    stored[r] = [(torch.cat([layer.keys[r:r + 1, :, :work.past_len],
-                                             layer.keys[r:r + 1, :, past_len:past_len + new]], dim=2),
-                                  torch.cat([layer.values[r:r + 1, :, :work.past_len],
-                                             layer.values[r:r + 1, :, past_len:past_len + new]], dim=2))
-                                 for layer in cache.layers]
-        return logits, stored
-
-    @staticmethod
-    def _batched_past(batch: list[RowWork], past_len: int) -> KV:
-        """Each row's past, padded at its end to ``past_len`` (the mask hides the padding)."""
-        if len(batch) == 1:
-            return _truncate(batch[0].past, past_len)
-        template = next((w.past for w in batch if w.past_len and w.past is not None), None)
-        if template is None:
-            raise ValueError("a batch with a past length has no row holding a past")
-        out = []
-        for layer, (k0, v0) in enumerate(template):
-            keys = k0.new_zeros(len(batch), k0.shape[1], past_len, k0.shape[3])
-            values = v0.new_zeros(len(batch), v0.shape[1], past_len, v0.shape[3])
-            for r, work in enumerate(batch):
-                if work.past_len and work.past is not None:
-                    keys[r, :, :work.past_len] = work.past[layer][0][0, :, :work.past_len]
-                    values[r, :, :work.past_len] = work.past[layer][1][0, :, :work.past_len]
-            out.append((keys, values))
-        return out
+        return [{t: out.logits[r, where[t]] for t in row.targets} for r, row in enumerate(rows)]
 
     def _mask(self, batch: list[RowWork], width: int, past_len: int) -> torch.Tensor:
         """``[rows, 1, width, past_len + width]``: each row's own past, then its tree mask."""
         mask = torch.zeros(len(batch), 1, width, past_len + width, dtype=torch.bool)
         for r, work in enumerate(batch):
             n = len(work.row)
-            mask[r, 0, :n, :work.past_len] = True
+            mask[r, 0, :n, :len(work.past)] = True
             mask[r, 0, :n, past_len:past_len + n] = work.row.mask()
             padding = torch.arange(n, width)
             mask[r, 0, padding, past_len + padding] = True  # padding sees itself: no empty softmax rows
@@ -290,13 +304,3 @@ class TransformersBackend:
         self.stats.passes += 1
         self.stats.computed_tokens += len(ids)
         return [float(lp[i]) for i in label_ids]
-
-
-def _truncate(kv: KV | None, length: int) -> KV:
-    if kv is None:
-        raise ValueError(f"a row with a past of {length} tokens holds no KV cache")
-    return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
-
-
-def _nbytes(kv: KV) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)

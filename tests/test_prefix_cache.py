@@ -1,0 +1,63 @@
+"""The prefix cache on its own: bounded in bytes of distinct parts, least recently used out first, and a lookup that
+matches only a few tokens of an entry (the chat header every prompt shares) does not count as using it."""
+
+from __future__ import annotations
+
+from decisiond.engine.prefix_cache import PrefixCache, default_prefix_cache_bytes
+
+HEADER = [1, 2, 3]
+
+
+def doc(n: int, length: int = 20) -> list[int]:
+    return HEADER + [1000 * n + i for i in range(length)]
+
+
+def test_bounded_in_bytes_least_recently_used_first():
+    cache = PrefixCache(max_bytes=250)
+    for n in range(3):
+        assert cache.put(doc(n), f"kv{n}", [(f"block{n}", 100)])
+    assert cache.bytes == 200 and len(cache) == 2  # the first document went out
+    assert cache.longest(doc(0))[0] == len(HEADER)
+    assert cache.longest(doc(1) + [7]) == (len(doc(1)), "kv1")  # used: now the most recent
+    cache.put(doc(3), "kv3", [("block3", 100)])
+    assert cache.longest(doc(2))[0] == len(HEADER) and cache.longest(doc(1))[1] == "kv1"
+    assert not cache.put(doc(4), "kv4", [("block4", 300)])  # larger than the whole budget: not stored
+
+
+def test_a_header_only_match_does_not_keep_an_entry():
+    cache = PrefixCache(max_bytes=250)
+    cache.put(doc(0), "kv0", [("block0", 100)])
+    cache.put(doc(1), "kv1", [("block1", 100)])
+    for n in range(5, 9):  # new documents: each lookup matches the header of some entry
+        assert cache.longest(doc(n))[0] == len(HEADER)
+        cache.put(doc(n), f"kv{n}", [(f"block{n}", 100)])
+    assert len(cache) == 2 and cache.longest(doc(8))[1] == "kv8" and cache.longest(doc(7))[1] == "kv7"
+
+
+def test_shared_parts_count_once_and_go_with_the_last_holder():
+    cache = PrefixCache(max_bytes=1215)
+    cache.put(doc(0) + [50, 51], "q1", [("document", 400), ("q1", 10)])
+    cache.put(doc(0) + [60, 61], "q2", [("document", 400), ("q2", 10)])
+    assert cache.bytes == 420 and len(cache) == 2
+    cache.put(doc(1), "other", [("other", 400)])
+    cache.put(doc(2), "third", [("third", 400)])  # over the budget: q1 out, the document stays for q2
+    assert cache.bytes == 1210 and len(cache) == 3 and cache.longest(doc(0) + [60, 61])[1] == "q2"
+    for n in (3, 4, 5):  # "other", "third", then q2 go: the document's bytes with q2, its last holder
+        cache.put(doc(n), n, [(n, 400)])
+    assert cache.bytes == 1200 and cache.longest(doc(0))[0] == len(HEADER)
+
+
+def test_an_extension_replaces_its_prefix():
+    cache = PrefixCache(max_bytes=1000)
+    cache.put(doc(0), "short", [("a", 100)])
+    cache.put(doc(0) + [5, 6], "long", [("a", 100), ("b", 10)])
+    assert len(cache) == 1 and cache.bytes == 110
+    assert not cache.put(doc(0), "again", [("c", 100)])  # an entry holds these tokens already
+
+
+def test_default_budget_is_sized_for_the_model():
+    mib = 2**20
+    # SmolLM2-135M in float32: 513 MiB of weights, 45 KiB of KV a token, 8,192 tokens of context.
+    assert default_prefix_cache_bytes(513 * mib, 46080, 8192) == 513 * mib // 2
+    # A short context: its whole KV.
+    assert default_prefix_cache_bytes(513 * mib, 46080, 2048) == 46080 * 2048
