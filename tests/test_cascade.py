@@ -151,6 +151,18 @@ def between(local_answers: list[dict[str, Any]]) -> float:
     return (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def close(got: Any, expected: Any, tolerance: float = 1e-5) -> bool:
+    """Equal, floats within ``tolerance``: the local model's answers after a cached prefix differ from a fresh pass
+    at float rounding only."""
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(close(got[k], expected[k], tolerance) for k in got)
+    if isinstance(got, list) and isinstance(expected, list):
+        return len(got) == len(expected) and all(close(a, b, tolerance) for a, b in zip(got, expected))
+    if isinstance(got, float) or isinstance(expected, float):
+        return isinstance(got, (int, float)) and isinstance(expected, (int, float)) and abs(got - expected) <= tolerance
+    return bool(got == expected)
+
+
 def seen_since(upstream: upstreams.Upstream, before: int) -> list[list[str]]:
     """The question names of each request the upstream got since ``before``."""
     out = []
@@ -176,7 +188,7 @@ def test_only_the_unsure_questions_go_to_the_strong_model_in_one_call(ups, tiny_
         if mine["name"] in unsure:
             assert confidence(mine) == pytest.approx(STRONG_P)
         else:
-            assert mine == local  # kept: the first target's own answer
+            assert close(mine, local)  # kept: the first target's own answer
     # Usage and cost summed over both calls: the local call's tokens at its price, the strong call's at its own.
     direct = post(gateway_for(ups, tiny_engine, 0.5), "/v1/decisions", openai_body("local/tiny-random"))
     local_tokens = direct.json()["usage"]["input_tokens"]
@@ -191,7 +203,7 @@ def test_threshold_zero_never_escalates_and_above_one_always_does(ups, tiny_engi
     before = len(ups["strong"].seen)
     never = post(gateway_for(ups, tiny_engine, 0), "/v1/decisions", openai_body("triage"))
     assert never.status_code == 200 and never.headers["x-decisiond-escalated"] == "0 of 6"
-    assert never.json()["answers"] == local_answers and len(ups["strong"].seen) == before
+    assert close(never.json()["answers"], local_answers) and len(ups["strong"].seen) == before
     always = post(gateway_for(ups, tiny_engine, 1.01), "/v1/decisions", openai_body("triage"))
     assert always.status_code == 200 and always.headers["x-decisiond-escalated"] == "6 of 6"
     assert seen_since(ups["strong"], before) == [[q["name"] for q in QUESTIONS]]

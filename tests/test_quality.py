@@ -107,6 +107,7 @@ def test_profile_is_applied_by_the_engine(tiny, tmp_path):
     assert answer.probabilities == pytest.approx(label_probabilities(shifted, 3.0), abs=1e-9)
     # A request temperature overrides the fitted one; the bias stays.
     explicit = engine.decide(request(choice(), temperature=1.0)).answers[0]
+    shifted = [z + b for z, b in zip(explicit.label_logprobs, [0.5, 0, 0, 0])]  # after the cached prefix
     assert explicit.probabilities == pytest.approx(label_probabilities(shifted, 1.0), abs=1e-9)
 
 

@@ -157,7 +157,8 @@ def test_a_small_request_is_answered_between_the_passes_of_a_large_one(tiny):
     small.future.result(60)
     result = large.future.result(60)
     assert large_done_when_small_answered == [False]
-    assert stepper.passes > 4  # the large one needed many passes; the small one went in between
+    # The document took four passes before its last (tails) one; the small request went in between.
+    assert stepper.passes == 4 and sum(stepper.sizes) == len(DOCUMENT), stepper.sizes
     # Interleaving changes nothing in the answers: each prompt as one plain forward pass.
     for prompt, got in zip(prompts, result.logprobs):
         assert got == pytest.approx(inner.reference(prompt, LABELS[0]), abs=1e-4)
@@ -169,16 +170,18 @@ def test_large_requests_go_in_short_passes_and_small_ones_in_full_passes(tiny, m
     stepper = Stepper(inner)
     scheduler = Scheduler(stepper, max_batch_tokens=64, max_wait_s=0)
     scheduler.submit([list(range(100, 160))], LABELS).future.result(60)  # 60 tokens: one small run
-    assert stepper.sizes[0] == 59  # its prefix in one full pass
+    assert stepper.sizes == []  # one pass, its last: answered at once, with no pass before it
     stepper.sizes.clear()
     release = blocked(scheduler)
     first = scheduler.submit(document_prompts(4, list(range(600, 1000))), LABELS * 4)
     second = scheduler.submit(document_prompts(4, list(range(1000, 1400))), LABELS * 4)
     release.set()
     a, b = first.future.result(60), second.future.result(60)
-    # Long documents: passes of an eighth of the budget (a question's tail, 12 tokens here, is never split), so a
-    # request arriving meanwhile waits for one short pass.
-    assert len(stepper.sizes) > 40 and max(stepper.sizes) <= 16
+    # Long documents, one open at a time: the first goes in passes of an eighth of the budget while the second
+    # waits (what a request arriving meanwhile waits for is one short pass), the second alone in passes of half.
+    # Each document's last pass (its tails) returns the answers and is not a step.
+    assert stepper.sizes[:50] == [8] * 50, str(stepper.sizes)
+    assert sum(stepper.sizes[50:]) == 400 and max(stepper.sizes[50:]) <= 32, str(stepper.sizes)
     for prompts, result in ((first.job.group.prompts, a), (second.job.group.prompts, b)):
         for prompt, got in zip(prompts, result.logprobs):
             assert got == pytest.approx(inner.reference(prompt, LABELS[0]), abs=1e-4)
