@@ -106,13 +106,13 @@ def _ratios(report: dict[str, Any]) -> list[str]:
     lines += [f"- p99 of `GET /health` while {k} post: **{v * 1000:.0f} ms**"
               for k, v in report.get("health_p99_s", {}).items()]
     by_workload = report.get("server_peak_rss_mb_by_workload") or {}
-    each = "; ".join(f"{k} {v:.0f} MB" for k, v in by_workload.items())
+    each = "; ".join(f"{k} {v:.0f} MiB" for k, v in by_workload.items())
     budget = report.get("prefix_cache_mb")
     lines.append(f"- server peak RSS (VmHWM), one server through every HTTP workload: "
-                 f"**{report['server_peak_rss_mb'] or 0:.0f} MB**" + (f" (per workload: {each})" if each else "")
-                 + (f", prefix cache budget {budget:.0f} MB" if budget is not None else "")
+                 f"**{report['server_peak_rss_mb'] or 0:.0f} MiB**" + (f" (per workload: {each})" if each else "")
+                 + (f", prefix cache budget {budget:.0f} MiB" if budget is not None else "")
                  + f"; benchmark process (naive loop and in-process engine, one shared model): "
-                 f"{report['bench_peak_rss_mb']:.0f} MB")
+                 f"{report['bench_peak_rss_mb']:.0f} MiB")
     return lines
 
 
