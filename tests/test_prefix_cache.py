@@ -3,6 +3,8 @@ matches only a few tokens of an entry (the chat header every prompt shares) does
 
 from __future__ import annotations
 
+import pytest
+
 from decisiond.engine.prefix_cache import PrefixCache, default_prefix_cache_bytes
 
 HEADER = [1, 2, 3]
@@ -61,3 +63,44 @@ def test_default_budget_is_sized_for_the_model():
     assert default_prefix_cache_bytes(513 * mib, 46080, 8192) == 513 * mib // 2
     # A short context: its whole KV.
     assert default_prefix_cache_bytes(513 * mib, 46080, 2048) == 46080 * 2048
+
+
+def test_evicted_bytes_are_counted_once_per_part_released():
+    cache = PrefixCache(max_bytes=1000)
+    cache.put(doc(0) + [50], "q1", [("document", 400), ("q1", 10)])
+    cache.put(doc(0) + [60], "q2", [("document", 400), ("q2", 10)])
+    assert cache.take_evicted() == 0
+    cache.make_room(585)  # q1 goes, the document stays with q2
+    assert cache.take_evicted() == 10 and cache.take_evicted() == 0
+    cache.make_room(1000)  # q2 goes and with it the document
+    assert cache.take_evicted() == 410 and cache.bytes == 0
+
+
+RELEASE_CHECK = r"""
+import sys
+from decisiond.engine.memory import release_freed
+
+def rss_mib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+warm = bytearray(2**20); del warm            # glibc raises its mmap threshold: 1 MiB blocks now come from the heap
+blocks = [bytearray(b"x" * 2**20) for _ in range(400)]
+del blocks[::2]                               # 200 MiB of holes between live blocks: no heap top to trim
+before = rss_mib()
+released = release_freed()
+print(released, before, rss_mib())
+"""
+
+
+def test_memory_freed_between_live_blocks_goes_back_to_the_system():
+    """What the engine relies on after the prefix cache evicts blocks (engine/memory.py): holes in glibc's heaps
+    count in RSS until ``release_freed`` returns their pages."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's heaps: Linux only")
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHECK], capture_output=True, text=True, check=True).stdout
+    released, before, after = out.split()
+    assert released == "True" and float(before) - float(after) > 150, out

@@ -71,6 +71,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.evicted = 0  # bytes evicted since the owner last took the count (``take_evicted``)
         # key -> (tokens as an array for fast comparison, value, its parts)
         self._data: OrderedDict[tuple[int, ...], tuple[np.ndarray, Any, list[tuple[Hashable, int]]]] = OrderedDict()
         # part id -> (bytes, values holding it)
@@ -135,6 +136,13 @@ class PrefixCache:
             if not held[1]:
                 del self._parts[part]
                 self.bytes -= size
+                self.evicted += size
+
+    def take_evicted(self) -> int:
+        """The bytes evicted since the last call (the owner then returns freed memory to the system)."""
+        with self._lock:
+            evicted, self.evicted = self.evicted, 0
+            return evicted
 
     def __len__(self) -> int:
         return len(self._data)

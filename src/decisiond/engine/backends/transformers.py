@@ -40,6 +40,7 @@ import torch
 
 from ...limits import DEFAULT_MAX_BATCH_TOKENS
 from ..kv import Block, Chain, Geometry, PassCache, Store
+from ..memory import RELEASE_EVERY, release_freed
 from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
@@ -111,6 +112,7 @@ class TransformersBackend:
             context = int(getattr(config, "max_position_embeddings", None) or 2048)
             prefix_cache_bytes = default_prefix_cache_bytes(weights, self.geometry.bytes_per_token, context)
         self.prefixes = PrefixCache(prefix_cache_bytes)
+        self._evicted = 0  # bytes the prefix cache evicted since memory was last released
         self.stats = Stats()
         self.description = description
 
@@ -139,6 +141,7 @@ class TransformersBackend:
                 logprobs[work.group].update(zip(work.members, values))
                 if work.keep is not None:
                     self.prefixes.put(work.keep[0], work.keep[1], work.keep[1].parts())
+            self._release_evicted()
             if rows:  # after the last pass: the answers, at once
                 yield sum(len(w.row) for w in batch)
         return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused)
@@ -216,11 +219,19 @@ class TransformersBackend:
         self.prefixes.put(tokens, chain, chain.parts())
         return chain
 
+    def _release_evicted(self) -> None:
+        """Once the prefix cache has evicted a share of its budget, give that memory back to the system (``memory``)."""
+        self._evicted += self.prefixes.take_evicted()
+        if self._evicted * RELEASE_EVERY >= self.prefixes.max_bytes:
+            self._evicted = 0
+            release_freed()
+
     def _extend(self, past: Chain, new: int) -> tuple[Chain, Block]:
         """A block for ``new`` tokens after ``past``, and the pieces of ``past`` worth holding: the block's head is a
         copy of the others (``Chain.split_for_reuse``); ``block.filled`` tokens of it are the head."""
         kept, copied = past.split_for_reuse()
         self.prefixes.make_room(self.geometry.bytes_per_token * (len(copied) + new))
+        self._release_evicted()
         block = Block(self.geometry, len(copied) + new)
         block.copy_from(copied)
         return kept, block
