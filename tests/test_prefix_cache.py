@@ -3,6 +3,9 @@ matches only a few tokens of an entry (the chat header every prompt shares) does
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from decisiond.engine.prefix_cache import PrefixCache, default_prefix_cache_bytes
@@ -96,9 +99,6 @@ print(released, before, rss_mib())
 def test_memory_freed_between_live_blocks_goes_back_to_the_system():
     """What the engine relies on after the prefix cache evicts blocks (engine/memory.py): holes in glibc's heaps
     count in RSS until ``release_freed`` returns their pages."""
-    import subprocess
-    import sys
-
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc's heaps: Linux only")
     out = subprocess.run([sys.executable, "-c", RELEASE_CHECK], capture_output=True, text=True, check=True).stdout

@@ -15,25 +15,23 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from typing import Any
 
-_LIBC: Any = None
 RELEASE_EVERY = 4  # release once a 1/RELEASE_EVERY of the prefix cache's budget has been evicted
 
 
+@functools.cache
 def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                if hasattr(libc, "malloc_trim"):
-                    _LIBC = libc
-            except OSError:
-                pass
-    return _LIBC
+    """glibc, where this process has it (``None`` elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def release_freed() -> bool:

@@ -71,7 +71,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        self.evicted = 0  # bytes evicted since the owner last took the count (``take_evicted``)
+        self.evicted = 0  # bytes evicted since the owner last took the count (``take_evicted``); read freely
         # key -> (tokens as an array for fast comparison, value, its parts)
         self._data: OrderedDict[tuple[int, ...], tuple[np.ndarray, Any, list[tuple[Hashable, int]]]] = OrderedDict()
         # part id -> (bytes, values holding it)

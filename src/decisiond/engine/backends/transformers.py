@@ -112,7 +112,6 @@ class TransformersBackend:
             context = int(getattr(config, "max_position_embeddings", None) or 2048)
             prefix_cache_bytes = default_prefix_cache_bytes(weights, self.geometry.bytes_per_token, context)
         self.prefixes = PrefixCache(prefix_cache_bytes)
-        self._evicted = 0  # bytes the prefix cache evicted since memory was last released
         self.stats = Stats()
         self.description = description
 
@@ -221,9 +220,8 @@ class TransformersBackend:
 
     def _release_evicted(self) -> None:
         """Once the prefix cache has evicted a share of its budget, give that memory back to the system (``memory``)."""
-        self._evicted += self.prefixes.take_evicted()
-        if self._evicted * RELEASE_EVERY >= self.prefixes.max_bytes:
-            self._evicted = 0
+        if self.prefixes.evicted * RELEASE_EVERY >= self.prefixes.max_bytes:
+            self.prefixes.take_evicted()
             release_freed()
 
     def _extend(self, past: Chain, new: int) -> tuple[Chain, Block]:
