@@ -77,6 +77,9 @@ def test_evicted_bytes_are_counted_once_per_part_released():
     assert cache.take_evicted() == 10 and cache.take_evicted() == 0
     cache.make_room(1000)  # q2 goes and with it the document
     assert cache.take_evicted() == 410 and cache.bytes == 0
+    cache.put(doc(1) + [70], "q3", [("other", 300)])
+    cache.clear()  # what a clear lets go counts as evicted too
+    assert cache.take_evicted() == 300 and cache.bytes == 0
 
 
 RELEASE_CHECK = r"""

@@ -151,6 +151,7 @@ class PrefixCache:
         with self._lock:
             self._data.clear()
             self._parts.clear()
+            self.evicted += self.bytes
             self.bytes = 0
 
 
