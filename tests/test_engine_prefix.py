@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_loaded
 
 from decisiond.canonical import DecisionRequest, Message, Option, Question, ScoreRequest, Text
+from decisiond.engine.kv import ROOM_FROM, ROOM_TOKENS
 from decisiond.engine.local import LocalEngine
 from decisiond.engine.packing import common_prefix, pack
 from decisiond.probability import label_probabilities
@@ -145,11 +146,13 @@ def test_a_document_asked_again_shares_its_cached_kv(long_engine):
     long_engine.decide(request(text, questions(1)))
     per_token = backend.geometry.bytes_per_token
     [prompt] = [q.prompt.ids for q in long_engine.prepare(request(text, questions(1))).questions]
-    assert backend.prefixes.bytes == per_token * (len(prompt) - 1)
+    assert len(prompt) - 1 >= ROOM_FROM  # a document's block has room for a pass read in place
+    assert backend.prefixes.bytes == per_token * (len(prompt) - 1 + ROOM_TOKENS)
     for offset in (3, 7, 11):  # other questions: each a small block after the document's
-        long_engine.decide(request(text, questions(1, offset)))
+        req = request(text, questions(1, offset))
+        assert_close(long_engine.decide(req), reference(long_engine, req), 1e-5)  # its tails in the room
     assert len(backend.prefixes) >= 3
-    assert backend.prefixes.bytes < per_token * (len(prompt) + 3 * 40)  # one copy of the document
+    assert backend.prefixes.bytes < per_token * (len(prompt) + ROOM_TOKENS + 3 * 40)  # one copy of the document
     # A new document copies the few header tokens it shares with a cached one instead of holding that one's block.
     new = request(document(120, 5), questions(1))
     long_engine.decide(new)

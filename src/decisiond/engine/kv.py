@@ -47,6 +47,17 @@ class Geometry:
         return self.layers * 2 * self.heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
+# A block of at least ROOM_FROM tokens (a document) is allocated ROOM_TOKENS longer: room after its end where a pass
+# of a few new tokens (a question asked again about the document) writes its keys and reads the document in place
+# (``PassCache``), instead of copying it for every layer. At most 1/8 more memory, about 6 % for 2,000 tokens.
+ROOM_FROM, ROOM_TOKENS = 1024, 128
+
+
+def capacity_for(tokens: int) -> int:
+    """The capacity of a block made for ``tokens`` tokens of a prefix."""
+    return tokens + (ROOM_TOKENS if tokens >= ROOM_FROM else 0)
+
+
 class Block:
     """Room for the KV of ``capacity`` consecutive tokens; ``filled`` of them computed so far."""
 
@@ -139,11 +150,25 @@ class PassCache:
 
     is_compileable = False
 
-    def __init__(self, pasts: Sequence[Chain], stores: Sequence[Store | None]):
+    def __init__(self, pasts: Sequence[Chain], stores: Sequence[Store | None], width: int = 0):
         self.pasts = list(pasts)
         self.stores = list(stores)
         self.lengths = [len(c) for c in self.pasts]
         self.past_len = max(self.lengths, default=0)
+        self.room = self._room(width)
+
+    def _room(self, width: int) -> Piece | None:
+        """Where a single row's keys can be read in place: its past is one piece that ends where its block's
+        computed tokens end, and the block has room after it for the row's ``width`` tokens. The row's keys and values
+        are written there (where a ``Store`` of the row writes its first tokens anyway), and each layer attends to a
+        view of the block: the past is not copied (a document asked again is read where it lies). The room is
+        scratch: it is not counted as filled."""
+        if len(self.pasts) != 1 or len(self.pasts[0].pieces) != 1 or not width:
+            return None
+        piece = self.pasts[0].pieces[0]
+        if piece.end < piece.block.filled or piece.end + width > piece.block.capacity:
+            return None
+        return Piece(piece.block, piece.start, piece.end + width)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.past_len
@@ -157,6 +182,12 @@ class PassCache:
                 store.block.data[layer_idx, 1, :, store.offset:end] = values[row, :, :store.count]
         if not self.past_len:
             return keys, values
+        if self.room is not None:
+            block, start, end = self.room.block, self.room.start, self.room.end
+            at = end - keys.shape[2]
+            block.data[layer_idx, 0, :, at:end] = keys[0]
+            block.data[layer_idx, 1, :, at:end] = values[0]
+            return block.keys(layer_idx, start, end)[None], block.values(layer_idx, start, end)[None]
         if len(self.pasts) == 1:
             pieces = self.pasts[0].pieces
             return (torch.cat([*(p.block.keys(layer_idx, p.start, p.end)[None] for p in pieces), keys], dim=2),

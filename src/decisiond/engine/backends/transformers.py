@@ -39,11 +39,12 @@ from typing import Any
 import torch
 
 from ...limits import DEFAULT_MAX_BATCH_TOKENS
-from ..kv import Block, Chain, Geometry, PassCache, Store
+from ..kv import Block, Chain, Geometry, PassCache, Store, capacity_for
 from ..memory import RELEASE_EVERY, release_freed
 from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
+from .decoder import LlamaDecoder
 
 # Rows of question tails are packed to at most one pass (``step_budget``) and at least this many tokens: passes are
 # cut small while other requests wait, and one row a pass then reads its document's KV once.
@@ -98,6 +99,8 @@ class TransformersBackend:
         sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
         self.packing = impl in ("sdpa", "eager") and layer_types == {"full_attention"} and not sliding
         self.bool_mask = impl == "sdpa"
+        # Llama models run through ``decoder`` (the same function in fewer operations), others through transformers.
+        self.decoder = LlamaDecoder.of(model) if self.packing else None
         if self.device.type == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5):
             # Given a mask, transformers copies each KV head once for every query head it serves before calling SDPA
             # (three copies of a document's KV for SmolLM2, per layer and pass); torch's SDPA reads grouped heads
@@ -228,9 +231,10 @@ class TransformersBackend:
         """A block for ``new`` tokens after ``past``, and the pieces of ``past`` worth holding: the block's head is a
         copy of the others (``Chain.split_for_reuse``); ``block.filled`` tokens of it are the head."""
         kept, copied = past.split_for_reuse()
-        self.prefixes.make_room(self.geometry.bytes_per_token * (len(copied) + new))
+        capacity = capacity_for(len(copied) + new)
+        self.prefixes.make_room(self.geometry.bytes_per_token * capacity)
         self._release_evicted()
-        block = Block(self.geometry, len(copied) + new)
+        block = Block(self.geometry, capacity)
         block.copy_from(copied)
         return kept, block
 
@@ -272,21 +276,22 @@ class TransformersBackend:
             positions[r, :len(row)] = torch.tensor(row.positions)
             positions[r, len(row):] = row.positions[-1] if len(row) else 0
         wanted = sorted({t for row in rows for t in row.targets}) or [width - 1]
-        cache = PassCache([w.past for w in batch], [w.store for w in batch])
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=self._mask(batch, width, cache.past_len),
-            use_cache=True,
-            logits_to_keep=torch.tensor(wanted, device=self.device),
-            **{self.cache_arg: cache})
+        cache = PassCache([w.past for w in batch], [w.store for w in batch], width)
+        mask = self._mask(batch, width, cache.past_len)
+        keep = torch.tensor(wanted, device=self.device)
+        if self.decoder is not None:
+            logits = self.decoder(ids.to(self.device), positions.to(self.device), mask, cache, keep)
+        else:
+            logits = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                                attention_mask=mask, use_cache=True, logits_to_keep=keep,
+                                **{self.cache_arg: cache}).logits
         cache.finish()
         self.stats.passes += 1
         self.stats.computed_tokens += sum(len(r) for r in rows)
         self.stats.padded_tokens += count * width
         self.stats.largest_pass = max(self.stats.largest_pass, count * width)
         where = {t: k for k, t in enumerate(wanted)}
-        return [{t: out.logits[r, where[t]] for t in row.targets} for r, row in enumerate(rows)]
+        return [{t: logits[r, where[t]] for t in row.targets} for r, row in enumerate(rows)]
 
     def _mask(self, batch: list[RowWork], width: int, past_len: int) -> torch.Tensor:
         """``[rows, 1, width, past_len + width]``: each row's own past, then its tree mask."""

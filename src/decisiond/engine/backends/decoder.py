@@ -1,0 +1,148 @@
+"""A Llama decoder's forward pass over packed rows, top to bottom, for the transformers backend.
+
+transformers' own forward pass works, but on a CPU a pass of a few tokens after a cached document spends about a
+fifth of its time around the arithmetic (mask preparation, dispatch through attention interfaces and keyword
+arguments, thirty times over). This module computes the same function with the model's own weights and rotary
+embedding, in the fewest tensor operations:
+
+- **q, k and v in one matmul, gate and up in one matmul.** Each layer's projection weights are concatenated once,
+  and the modules' weights become views of the concatenation: the weights are not held twice, and transformers'
+  modules (the ``reference`` path, the benchmark's naive loop) still read them.
+- **The mask is made additive once a pass**, not converted again by every layer's attention.
+- **The last layer only where answers are read**: its keys and values are computed for every token (the cache
+  needs them), its queries, attention output and MLP only at the positions whose logits are wanted.
+- Element-wise work in place where the result is not needed twice (SwiGLU, residuals, rotary).
+
+Its answers equal transformers' up to float rounding (the tests compare them with one plain transformers pass per
+prompt). It serves float32 ``LlamaForCausalLM`` models with SDPA attention, silu MLPs and no tensor-parallel split; any
+other model (bfloat16 on a GPU included) keeps transformers' forward pass (``LlamaDecoder.of`` returns ``None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class _Layer:
+    norm1: torch.Tensor
+    qkv: torch.Tensor  # [(q heads + 2 × kv heads) × head size, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    gate_up: torch.Tensor  # [2 × intermediate, hidden]
+    down: torch.Tensor
+
+
+def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` stacked by output; each module's parameter becomes a view of it."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        biases = [m.bias for m in linears]
+        bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        at = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = weight[at:at + n]
+            if bias is not None:
+                m.bias.data = bias[at:at + n]
+            at += n
+    return weight, bias
+
+
+class LlamaDecoder:
+    """``decoder(ids, positions, mask, cache, wanted)``: the logits at ``wanted`` of every row."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        config = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        self.intermediate = int(config.intermediate_size)
+        self.dtype = next(model.parameters()).dtype
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+            if gate_up_bias is not None or mlp.down_proj.bias is not None:
+                raise ValueError("MLP biases")  # excluded by ``of``
+            self.layers.append(_Layer(layer.input_layernorm.weight, qkv, qkv_bias, attn.o_proj.weight,
+                                      attn.o_proj.bias, layer.post_attention_layernorm.weight, gate_up,
+                                      mlp.down_proj.weight))
+        self.scale = float(model.model.layers[0].self_attn.scaling)
+        # SDPA reads grouped KV heads itself on a CPU; elsewhere they are repeated for the query heads, as transformers
+        # does (not every GPU kernel takes ``enable_gqa``).
+        self.grouped = next(model.parameters()).device.type == "cpu"
+
+    @classmethod
+    def of(cls, model: Any) -> LlamaDecoder | None:
+        """The decoder for ``model``, or ``None`` when it is not a model this module computes exactly."""
+        config = model.config
+        if type(model).__name__ != "LlamaForCausalLM" or getattr(config, "model_type", "") != "llama":
+            return None
+        if getattr(config, "_attn_implementation", None) not in (None, "sdpa"):
+            return None
+        if next(model.parameters()).dtype != torch.float32:
+            return None  # in half precision, another order of operations rounds visibly differently
+        if (getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False)
+                or int(getattr(config, "pretraining_tp", 1) or 1) != 1):
+            return None
+        return cls(model)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)  # float32: transformers' LlamaRMSNorm, bit for bit
+
+    @staticmethod
+    def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` (``x``: [rows, heads, tokens, head size])."""
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return out
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
+                 wanted: torch.Tensor) -> torch.Tensor:
+        inner = self.model.model
+        h = inner.embed_tokens(ids)
+        rows, width, _ = h.shape
+        cos, sin = inner.rotary_emb(h, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        if mask.dtype == torch.bool:  # additive, once for every layer
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.norm1)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(rows, width, heads + 2 * kv, d).transpose(1, 2)
+            v = qkv[:, heads + kv:]
+            if i < last:
+                qk = self._rotary(qkv[:, :heads + kv], cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+                keys, values = cache.update(k, v, i)
+                attn_mask = mask
+            else:  # the last layer: queries, and all after attention, only where logits are read
+                k = self._rotary(qkv[:, heads:heads + kv], cos, sin)
+                keys, values = cache.update(k, v, i)
+                q = self._rotary(qkv[:, :heads, wanted], cos[:, :, wanted], sin[:, :, wanted])
+                attn_mask = mask[:, :, wanted]
+                h = h[:, wanted]
+            if kv != heads and not self.grouped:
+                keys = keys.repeat_interleave(heads // kv, dim=1)
+                values = values.repeat_interleave(heads // kv, dim=1)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale,
+                                               enable_gqa=kv != heads and self.grouped)
+            h = h + F.linear(o.transpose(1, 2).reshape(rows, h.shape[1], heads * d), layer.o, layer.o_bias)
+            gate, up = torch.split(F.linear(self._norm(h, layer.norm2), layer.gate_up), self.intermediate, dim=-1)
+            h += F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+        logits: torch.Tensor = self.model.lm_head(self._norm(h, inner.norm.weight))
+        return logits
