@@ -14,13 +14,10 @@ from decisiond.engine.backends.transformers import TransformersBackend
 @torch.no_grad()
 def test_the_decoder_computes_transformers_logits(tokenizer):
     model = tiny_loaded(tokenizer, seed=3).model
-    reference_before = model(input_ids=torch.arange(5, 45)[None], use_cache=False).logits[0]
     decoder = LlamaDecoder.of(model)
     assert decoder is not None
     ids = torch.arange(5, 45)[None]
-    # The weights now lie in the fused tensors; transformers' modules read views of them, unchanged.
     reference = model(input_ids=ids, use_cache=False).logits[0]
-    assert torch.equal(reference, reference_before)
     causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
     every = decoder(ids, torch.arange(40)[None], causal, DynamicCache(), torch.arange(40))[0]
     torch.testing.assert_close(every, reference, rtol=1e-5, atol=1e-5)  # float rounding at logits of ±15
