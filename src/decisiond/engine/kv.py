@@ -156,19 +156,25 @@ class PassCache:
         self.lengths = [len(c) for c in self.pasts]
         self.past_len = max(self.lengths, default=0)
         self.room = self._room(width)
+        if self.room is not None:  # the keys read are the block's, from the past's start to the room
+            self.past_len = len(self.room) - width
 
     def _room(self, width: int) -> Piece | None:
-        """Where a single row's keys can be read in place: its past is one piece that ends where its block's
-        computed tokens end, and the block has room after it for the row's ``width`` tokens. The row's keys and values
-        are written there (where a ``Store`` of the row writes its first tokens anyway), and each layer attends to a
-        view of the block: the past is not copied (a document asked again is read where it lies). The room is
-        scratch: it is not counted as filled."""
+        """Where a single row's keys can be read in place: its past is one piece of a block that has room for the
+        row's ``width`` tokens after its computed ones. The row's keys and values are written there (where a ``Store``
+        of the row into that block writes its first tokens anyway), and each layer attends to a view of the block: the
+        past is not copied (a document asked again is read where it lies). Tokens the block holds after the past (a
+        question asked before about the document) lie between the two: the mask hides them, as it hides the padding
+        of a shorter past (``past_len`` counts them). The room is scratch: it is not counted as filled."""
         if len(self.pasts) != 1 or len(self.pasts[0].pieces) != 1 or not width:
             return None
-        piece = self.pasts[0].pieces[0]
-        if piece.end < piece.block.filled or piece.end + width > piece.block.capacity:
+        piece, store = self.pasts[0].pieces[0], self.stores[0]
+        block = piece.block
+        if piece.end > block.filled or block.filled + width > block.capacity:
             return None
-        return Piece(piece.block, piece.start, piece.end + width)
+        if store is not None and store.block is block and store.offset != block.filled:
+            return None  # it writes elsewhere in the block: no room of its own there
+        return Piece(block, piece.start, block.filled + width)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.past_len
