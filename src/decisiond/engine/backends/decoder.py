@@ -3,7 +3,7 @@
 transformers' own forward pass works, but on a CPU a pass of a few tokens after a cached document spends about a
 fifth of its time around the arithmetic (mask preparation, dispatch through attention interfaces and keyword
 arguments, thirty times over). This module computes the same function with the model's own weights and rotary
-embedding, in the fewest tensor operations:
+embedding, in fewer tensor operations:
 
 - **The model's own weights, as they are.** Fusing q/k/v and gate/up into one matmul each was measured and left
   out: a model loaded from safetensors keeps its mapped file pages resident, so the concatenated copies would add
