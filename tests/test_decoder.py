@@ -3,6 +3,8 @@ weights, and the models it declines (they keep transformers' forward pass)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from conftest import tiny_loaded
 from transformers import DynamicCache
@@ -11,11 +13,17 @@ from decisiond.engine.backends.decoder import LlamaDecoder
 from decisiond.engine.backends.transformers import TransformersBackend
 
 
-@torch.no_grad()
-def test_the_decoder_computes_transformers_logits(tokenizer):
-    model = tiny_loaded(tokenizer, seed=3).model
+def decoder_of(tokenizer, seed: int) -> tuple[Any, LlamaDecoder]:
+    """A tiny random Llama and its decoder."""
+    model = tiny_loaded(tokenizer, seed=seed).model
     decoder = LlamaDecoder.of(model)
     assert decoder is not None
+    return model, decoder
+
+
+@torch.no_grad()
+def test_the_decoder_computes_transformers_logits(tokenizer):
+    model, decoder = decoder_of(tokenizer, seed=3)
     ids = torch.arange(5, 45)[None]
     reference = model(input_ids=ids, use_cache=False).logits[0]
     causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
@@ -29,9 +37,7 @@ def test_the_decoder_computes_transformers_logits(tokenizer):
 
 @torch.no_grad()
 def test_the_decoder_continues_a_cache_as_transformers_does(tokenizer):
-    model = tiny_loaded(tokenizer, seed=4).model
-    decoder = LlamaDecoder.of(model)
-    assert decoder is not None
+    model, decoder = decoder_of(tokenizer, seed=4)
     ids = torch.arange(100, 160)[None]
     reference = model(input_ids=ids, use_cache=False).logits[0, -1]
     cache = DynamicCache()

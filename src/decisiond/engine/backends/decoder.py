@@ -27,6 +27,13 @@ import torch
 import torch.nn.functional as F
 
 
+def sdpa_reads_grouped_heads(device: torch.device) -> bool:
+    """Whether attention passes grouped KV heads to SDPA as they are (``enable_gqa``): on a CPU with torch 2.5 or later,
+    where it gives the same results as KV heads repeated for every query head, without the copies (not every GPU
+    kernel takes ``enable_gqa``)."""
+    return device.type == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 @dataclass(frozen=True)
 class _Layer:
     norm1: torch.Tensor
@@ -54,8 +61,6 @@ class LlamaDecoder:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.eps = float(config.rms_norm_eps)
-        self.intermediate = int(config.intermediate_size)
-        self.dtype = next(model.parameters()).dtype
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -64,9 +69,8 @@ class LlamaDecoder:
                 attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
                 layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
         self.scale = float(model.model.layers[0].self_attn.scaling)
-        # SDPA reads grouped KV heads itself on a CPU; elsewhere they are repeated for the query heads, as transformers
-        # does (not every GPU kernel takes ``enable_gqa``).
-        self.grouped = next(model.parameters()).device.type == "cpu"
+        # Where SDPA reads grouped KV heads itself; elsewhere they are repeated for the query heads (as transformers).
+        self.grouped = sdpa_reads_grouped_heads(next(model.parameters()).device)
 
     @classmethod
     def of(cls, model: Any) -> LlamaDecoder | None:

@@ -44,7 +44,7 @@ from ..memory import RELEASE_EVERY, release_freed
 from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
-from .decoder import LlamaDecoder
+from .decoder import LlamaDecoder, sdpa_reads_grouped_heads
 
 # Rows of question tails are packed to at most one pass (``step_budget``) and at least this many tokens: passes are
 # cut small while other requests wait, and one row a pass then reads its document's KV once.
@@ -101,7 +101,7 @@ class TransformersBackend:
         self.bool_mask = impl == "sdpa"
         # Llama models run through ``decoder`` (the same function in fewer operations), others through transformers.
         self.decoder = LlamaDecoder.of(model) if self.packing else None
-        if self.device.type == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5):
+        if sdpa_reads_grouped_heads(self.device):
             # Given a mask, transformers copies each KV head once for every query head it serves before calling SDPA
             # (three copies of a document's KV for SmolLM2, per layer and pass); torch's SDPA reads grouped heads
             # itself (``enable_gqa``), with the same results, a third faster over a long cached document on a CPU.
@@ -278,13 +278,13 @@ class TransformersBackend:
         wanted = sorted({t for row in rows for t in row.targets}) or [width - 1]
         cache = PassCache([w.past for w in batch], [w.store for w in batch], width)
         mask = self._mask(batch, width, cache.past_len)
+        ids, positions = ids.to(self.device), positions.to(self.device)
         keep = torch.tensor(wanted, device=self.device)
         if self.decoder is not None:
-            logits = self.decoder(ids.to(self.device), positions.to(self.device), mask, cache, keep)
+            logits = self.decoder(ids, positions, mask, cache, keep)
         else:
-            logits = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                                attention_mask=mask, use_cache=True, logits_to_keep=keep,
-                                **{self.cache_arg: cache}).logits
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                logits_to_keep=keep, **{self.cache_arg: cache}).logits
         cache.finish()
         self.stats.passes += 1
         self.stats.computed_tokens += sum(len(r) for r in rows)
