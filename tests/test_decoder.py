@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from conftest import tiny_loaded
 from transformers import DynamicCache
 
-from decisiond.engine.backends.decoder import LlamaDecoder
+from decisiond.engine.backends import decoder as decoder_module
+from decisiond.engine.backends.decoder import QUERY_BLOCK, LlamaDecoder
 from decisiond.engine.backends.transformers import TransformersBackend
+from decisiond.engine.packing import pack
 
 
 def decoder_of(tokenizer, seed: int) -> tuple[Any, LlamaDecoder]:
@@ -35,18 +38,54 @@ def test_the_decoder_computes_transformers_logits(tokenizer):
     torch.testing.assert_close(picked, reference[some], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("past, new", [(50, 10), (30, 150)])
 @torch.no_grad()
-def test_the_decoder_continues_a_cache_as_transformers_does(tokenizer):
+def test_the_decoder_continues_a_cache_as_transformers_does(tokenizer, past, new):
+    """A few new tokens (one attention call, KV heads folded) and more than QUERY_BLOCK of them (calls by blocks of
+    queries, each against the keys up to its own last token) after a cached past."""
+    assert (new < QUERY_BLOCK) == (new == 10)
     model, decoder = decoder_of(tokenizer, seed=4)
-    ids = torch.arange(100, 160)[None]
-    reference = model(input_ids=ids, use_cache=False).logits[0, -1]
+    ids = torch.arange(100, 100 + past + new)[None]
+    reference = model(input_ids=ids, use_cache=False).logits[0, past:]
     cache = DynamicCache()
-    decoder(ids[:, :50], torch.arange(50)[None], torch.ones(50, 50, dtype=torch.bool).tril()[None, None], cache,
-            torch.tensor([49]))
-    mask = torch.ones(10, 60, dtype=torch.bool)
-    mask[:, 50:] = torch.ones(10, 10, dtype=torch.bool).tril()
-    last = decoder(ids[:, 50:], torch.arange(50, 60)[None], mask[None, None], cache, torch.tensor([9]))[0, 0]
-    torch.testing.assert_close(last, reference, rtol=1e-5, atol=1e-5)
+    decoder(ids[:, :past], torch.arange(past)[None], torch.ones(past, past, dtype=torch.bool).tril()[None, None],
+            cache, torch.tensor([past - 1]))
+    mask = torch.ones(new, past + new, dtype=torch.bool)
+    mask[:, past:] = torch.ones(new, new, dtype=torch.bool).tril()
+    every = decoder(ids[:, past:], torch.arange(past, past + new)[None], mask[None, None], cache,
+                    torch.arange(new))[0]
+    torch.testing.assert_close(every, reference, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_attention_by_query_blocks_equals_one_call_over_padded_packed_rows(tokenizer, monkeypatch):
+    """Two rows of different lengths, each a radix tree of prompts after a past of its own (padded): the tree mask is
+    not plain causal, and the blocks must cut it, the padding and the past alike."""
+    model, decoder = decoder_of(tokenizer, seed=5)
+    rows = [pack([[*range(10, 90), *range(200, 240)], [*range(10, 90), *range(300, 330)]], skip=0),
+            pack([[*range(400, 470), 7, 8], [*range(400, 470), 9]], skip=0)]
+    width = max(len(r) for r in rows)
+    assert width > QUERY_BLOCK and len(rows[1]) < width
+    ids = torch.zeros(2, width, dtype=torch.long)
+    positions = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, 1, width, 5 + width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        n = len(row)
+        ids[r, :n], positions[r, :n] = torch.tensor(row.tokens), torch.tensor(row.positions) + 5
+        mask[r, 0, :n, :5], mask[r, 0, :n, 5:5 + n] = True, row.mask()
+        mask[r, 0, n:, 5 + n:] = torch.eye(width - n, dtype=torch.bool)
+    wanted = torch.tensor(sorted({t for row in rows for t in row.targets}))
+
+    def run() -> torch.Tensor:
+        cache = DynamicCache()
+        past = torch.arange(20, 25)[None].expand(2, 5)
+        decoder(past, torch.arange(5)[None].expand(2, 5), torch.ones(5, 5, dtype=torch.bool).tril()[None, None], cache,
+                torch.tensor([4]))
+        return decoder(ids, positions, mask, cache, wanted)
+
+    blocks = run()
+    monkeypatch.setattr(decoder_module, "QUERY_BLOCK", 10_000)
+    torch.testing.assert_close(blocks, run(), rtol=1e-5, atol=1e-5)  # float rounding at logits of ±15
 
 
 def test_models_it_does_not_compute_exactly_keep_transformers_forward(tokenizer):

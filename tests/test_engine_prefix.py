@@ -81,7 +81,9 @@ def test_a_repeated_document_reuses_its_prefix_with_identical_probabilities(long
     assert_close(result, reference(long_engine, other))
 
 
-def test_a_retried_short_request_is_identical_and_computes_only_its_tails(long_engine):
+def test_a_retried_short_request_agrees_to_float_rounding_and_computes_only_its_tails(long_engine):
+    """The retry computes its tails against the cached ticket, in passes of another shape than the first ask's (its
+    attention in other blocks of queries): the same answers up to float rounding, not bit for bit."""
     req = request("I was charged twice for my subscription this month.", questions(3))
     first = long_engine.decide(req)
     assert len(long_engine.backend.prefixes) == 1
@@ -89,7 +91,7 @@ def test_a_retried_short_request_is_identical_and_computes_only_its_tails(long_e
     again = long_engine.decide(req)
     prompts = [q.prompt.ids for q in long_engine.prepare(req).questions]
     assert long_engine.backend.stats.computed_tokens - before == len(pack(prompts, skip=common_prefix(prompts)))
-    assert [a.probabilities for a in again.answers] == [a.probabilities for a in first.answers]
+    assert_close(again, [a.probabilities for a in first.answers], tol=1e-7)
     assert_close(again, reference(long_engine, req))
 
 

@@ -87,18 +87,19 @@ def test_typed_answers_equal_the_engine(engine, tiny_engine):
     billing, team, urgency = decision.answers
     assert isinstance(billing, PredicateAnswer) and isinstance(team, ChoiceAnswer) and isinstance(urgency, ScoreAnswer)
     assert decision["billing"] is billing and decision[2] is urgency
-    assert billing.probability == pytest.approx(expected[0].probabilities[0], abs=1e-12)
+    # The same numbers up to float rounding (the engine fixture answers in passes of another shape).
+    assert billing.probability == pytest.approx(expected[0].probabilities[0], abs=1e-6)
     assert billing.probabilities == {True: billing.probability, False: pytest.approx(1 - billing.probability)}
     assert list(team.probabilities) == ["billing", "shipping", True]
-    assert list(team.probabilities.values()) == pytest.approx(expected[1].probabilities, abs=1e-12)
+    assert list(team.probabilities.values()) == pytest.approx(expected[1].probabilities, abs=1e-6)
     assert team.choice == max(team.probabilities, key=team.probabilities.get)
-    assert list(urgency.probabilities.values()) == pytest.approx(expected[2].probabilities, abs=1e-12)
-    assert urgency.score == pytest.approx(sum(i * p for i, p in enumerate(expected[2].probabilities)))
+    assert list(urgency.probabilities.values()) == pytest.approx(expected[2].probabilities, abs=1e-6)
+    assert urgency.score == pytest.approx(sum(i * p for i, p in enumerate(expected[2].probabilities)), abs=1e-6)
     assert urgency.label == ["Can wait", "This week", "Today"][urgency.level]
     for answer, raw in zip(decision.answers, expected):
-        assert answer.label_mass == pytest.approx(raw.label_mass, abs=1e-12)
+        assert answer.label_mass == pytest.approx(raw.label_mass, abs=1e-6)
         assert 0.0 <= answer.confidence <= 1.0
-    assert team.confidence == pytest.approx(expected[1].confidence or 0, abs=1e-12) or expected[1].confidence is None
+    assert team.confidence == pytest.approx(expected[1].confidence or 0, abs=1e-6) or expected[1].confidence is None
     assert decision.model == "tiny-random" and decision.usage.input_tokens > 0 and decision.latency_s > 0
     # The random model is not uniform: the comparisons above are not vacuous.
     assert max(team.probabilities.values()) - min(team.probabilities.values()) > 0.01

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -89,9 +90,12 @@ def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     """Number of leading tokens all prompts share."""
     if not prompts:
         return 0
-    first, n = prompts[0], min(len(p) for p in prompts)
+    # The lexicographically first and last prompts differ first where any two do (one long prompt: no loop at all).
+    lists = cast("list[list[int]]", prompts)  # token lists compare lexicographically
+    low, high = min(lists), max(lists)
+    n = min(len(low), len(high))
     k = 0
-    while k < n and all(p[k] == first[k] for p in prompts):
+    while k < n and low[k] == high[k]:
         k += 1
     return k
 

@@ -11,6 +11,12 @@ embedding, in fewer tensor operations:
 - **The mask is made additive once a pass**, not converted again by every layer's attention.
 - **The last layer only where answers are read**: its keys and values are computed for every token (the cache
   needs them), its queries, attention output and MLP only at the positions whose logits are wanted.
+- **Attention by blocks of queries**: SDPA computes masked query–key products like any other, so the queries of a
+  long pass go ``QUERY_BLOCK`` at a time, each block against the keys up to its own last token (the keys after it
+  are masked for the whole block: a token never sees a later one). About a third less attention work for a
+  500-token pass, for the same result up to float rounding (the keys left out weigh zero).
+- **Grouped KV heads folded** in a pass of a few tokens (a question asked about a cached document): each KV head's
+  query heads go as one row of queries, so one SDPA call reads the document's keys once per KV head.
 - Element-wise work in place where the result is not needed twice (SwiGLU, residuals, rotary).
 
 Its answers equal transformers' up to float rounding (the tests compare them with one plain transformers pass per
@@ -26,12 +32,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# Queries per attention call in a pass over new tokens (``LlamaDecoder._attend``). Measured on a 2-core CPU with
+# SmolLM2: 64 to 96 took a 500-token pass's attention from 3.6 to 2.8 ms a layer (128: 3.0, 192: 3.1), and a
+# 290-token pass's from 1.15 to 0.92 ms.
+QUERY_BLOCK = 64
+
 
 def sdpa_reads_grouped_heads(device: torch.device) -> bool:
     """Whether attention passes grouped KV heads to SDPA as they are (``enable_gqa``): on a CPU with torch 2.5 or later,
     where it gives the same results as KV heads repeated for every query head, without the copies (not every GPU
     kernel takes ``enable_gqa``)."""
     return device.type == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _fold(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """``[rows, 1, queries, keys]`` → ``[rows, 1, group × queries, keys]``: the mask of each query, once for each query
+    head of a KV head's group (``LlamaDecoder._attend_folded``)."""
+    return mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,35 @@ class LlamaDecoder:
         out[..., half:].addcmul_(x[..., :half], sin[..., half:])
         return out
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                in_order: bool) -> torch.Tensor:
+        """Attention of ``q`` (``[rows, heads, queries, head size]``), ``[rows, queries, heads × head size]``. When the
+        queries are the pass's tokens ``in_order`` (the last ``queries`` keys), they go in blocks of ``QUERY_BLOCK``,
+        each against the keys up to its own last token: the keys after a block are masked for all of it (a token
+        never sees a later one), and SDPA, which computes masked products like any other, is spared them."""
+        rows, heads, width, d = q.shape
+        grouped = keys.shape[1] != heads
+        step = QUERY_BLOCK if in_order else width
+        past = keys.shape[2] - width
+        out = q.new_empty(rows, width, heads * d)
+        for start in range(0, width, step):
+            end = min(width, start + step)
+            o = F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :past + end], values[:, :, :past + end],
+                                               attn_mask=mask[:, :, start:end, :past + end], scale=self.scale,
+                                               enable_gqa=grouped)
+            out[:, start:end] = o.transpose(1, 2).reshape(rows, end - start, heads * d)
+        return out
+
+    def _attend_folded(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       folded: torch.Tensor) -> torch.Tensor:
+        """Attention with grouped KV heads, each head's query heads as one row of queries (``folded``: the mask
+        repeated for each, ``_fold``): one SDPA call reads each KV head once, and its result equals ``enable_gqa``'s
+        (SmolLM2 over a 2,000-token document: 17 instead of 20 ms a pass of 20 tokens, on a 2-core CPU)."""
+        rows, heads, width, d = q.shape
+        o = F.scaled_dot_product_attention(q.reshape(rows, keys.shape[1], -1, d), keys, values, attn_mask=folded,
+                                           scale=self.scale)
+        return o.view(rows, heads, width, d).transpose(1, 2).reshape(rows, width, heads * d)
+
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
                  wanted: torch.Tensor) -> torch.Tensor:
@@ -111,6 +157,11 @@ class LlamaDecoder:
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
         last = len(self.layers) - 1
+        # A pass of a few tokens (a question asked again about a cached document) reads each KV head once for all the
+        # query heads it serves, as one row of queries each (``_attend_folded``).
+        group = heads // kv if kv != heads and self.grouped else 1
+        fold = group > 1 and width <= QUERY_BLOCK
+        folded = _fold(mask, group) if fold else None
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.norm1)
             k = F.linear(x, layer.k, layer.k_bias).view(rows, width, kv, d).transpose(1, 2)
@@ -120,14 +171,17 @@ class LlamaDecoder:
             if i == last:  # the last layer: queries, and all after attention, only where logits are read
                 x, h, attn_mask = x[:, wanted], h[:, wanted], mask[:, :, wanted]
                 cos, sin = cos[:, :, wanted], sin[:, :, wanted]
+                folded = _fold(attn_mask, group) if group > 1 else None
             q = F.linear(x, layer.q, layer.q_bias).view(rows, x.shape[1], heads, d).transpose(1, 2)
             q = self._rotary(q, cos, sin)
             if kv != heads and not self.grouped:
                 keys = keys.repeat_interleave(heads // kv, dim=1)
                 values = values.repeat_interleave(heads // kv, dim=1)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale,
-                                               enable_gqa=kv != heads and self.grouped)
-            h = h + F.linear(o.transpose(1, 2).reshape(rows, h.shape[1], heads * d), layer.o, layer.o_bias)
+            if folded is not None:
+                o = self._attend_folded(q, keys, values, folded)
+            else:
+                o = self._attend(q, keys, values, attn_mask, in_order=i != last)
+            h = h + F.linear(o, layer.o, layer.o_bias)
             x = self._norm(h, layer.norm2)
             h += F.linear(F.silu(F.linear(x, layer.gate), inplace=True).mul_(F.linear(x, layer.up)), layer.down)
         logits: torch.Tensor = self.model.lm_head(self._norm(h, inner.norm.weight))
