@@ -25,6 +25,7 @@ from ..errors import DecisionError, invalid, refused
 from ..limits import REQUEST_TEMPLATE_MAX_CHARS
 from ..text import is_blank, question_text, render_text
 from .prefix_cache import Lru
+from .prompt_ids import PromptIds
 from .sandbox import run_isolated
 
 PROMPT_FORMAT_VERSION = 1
@@ -165,6 +166,7 @@ class ChatPrompter:
         self._reply_checked: Lru[bool] = Lru(TEMPLATE_KWARGS_ENTRIES)
         self._headers: Lru[tuple[int, ...]] = Lru(TEMPLATE_KWARGS_ENTRIES)
         self.lossy = self._lossy()
+        self.prompt_ids = PromptIds(tokenizer)  # prompts that begin like a recent one: tokenized from where they differ
 
     def _lossy(self) -> bool:
         """Whether the tokenizer fails to encode rendered chat text back to the same text: labels are placed on the
@@ -307,7 +309,7 @@ class ChatPrompter:
         (``<|im_start|>``…) stays text, so a request cannot forge a turn or an answer. Content without such text
         is tokenized with the prompt, in one piece, as before."""
         if not any(special in content for special in self.special_texts):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return self.prompt_ids.encode(prompt)
         at = prompt.rfind(content)
         if at < 0:
             raise refused("the input contains special-token text and this model's chat template changes the message "
