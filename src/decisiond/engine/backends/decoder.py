@@ -105,7 +105,9 @@ class LlamaDecoder:
         return cls(model)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)  # float32: transformers' LlamaRMSNorm, bit for bit
+        # transformers' LlamaRMSNorm in float32, bit for bit, in one pass fewer over ``x`` than ``F.rms_norm`` makes
+        # on a CPU (measured 77 instead of 95 µs for 500 tokens of SmolLM2).
+        return torch.mul(x, x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(weight)
 
     @staticmethod
     def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -126,14 +128,14 @@ class LlamaDecoder:
         grouped = keys.shape[1] != heads
         step = QUERY_BLOCK if in_order else width
         past = keys.shape[2] - width
-        out = q.new_empty(rows, width, heads * d)
+        out = q.new_empty(rows, width, heads, d)
         for start in range(0, width, step):
             end = min(width, start + step)
             o = F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :past + end], values[:, :, :past + end],
                                                attn_mask=mask[:, :, start:end, :past + end], scale=self.scale,
                                                enable_gqa=grouped)
-            out[:, start:end] = o.transpose(1, 2).reshape(rows, end - start, heads * d)
-        return out
+            out[:, start:end] = o.transpose(1, 2)
+        return out.view(rows, width, heads * d)
 
     def _attend_folded(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        folded: torch.Tensor) -> torch.Tensor:
