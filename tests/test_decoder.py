@@ -84,7 +84,10 @@ def test_attention_by_query_blocks_equals_one_call_over_padded_packed_rows(token
         return decoder(ids, positions, mask, cache, wanted)
 
     blocks = run()
+    # The reference: one plain SDPA call a layer, KV heads repeated for the query heads as transformers does (not
+    # folded, not in blocks).
     monkeypatch.setattr(decoder_module, "QUERY_BLOCK", 10_000)
+    monkeypatch.setattr(decoder, "grouped", False)
     torch.testing.assert_close(blocks, run(), rtol=1e-5, atol=1e-5)  # float rounding at logits of ±15
 
 

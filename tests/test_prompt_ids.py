@@ -30,6 +30,20 @@ def test_prompts_sharing_a_long_beginning_get_the_ids_of_a_whole_tokenization(to
     assert ids.reused > 30  # the cut was taken, not only the whole tokenization
 
 
+def test_a_new_document_after_the_same_chat_header_is_tokenized_whole(tokenizer):
+    """Every prompt shares the chat header: reusing it would tokenize the known text's rest and the new text, twice
+    the work of the new text whole."""
+    rng = random.Random(3)
+    header = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    ids = PromptIds(tokenizer)
+    first, second = header + text(rng, 900), header + text(rng, 900)
+    assert ids.encode(first) == tokenizer.encode(first, add_special_tokens=False)
+    assert ids.encode(second) == tokenizer.encode(second, add_special_tokens=False) and ids.reused == 0
+    again = ids.encode(second)  # an exact repeat: the kept ids, a list of the caller's own
+    again.append(-1)
+    assert ids.encode(second) == tokenizer.encode(second, add_special_tokens=False)
+
+
 def test_short_texts_and_other_tokenizers_are_tokenized_whole(tokenizer, monkeypatch):
     ids = PromptIds(tokenizer)
     short = "a ticket\nQuestion: is it urgent?"

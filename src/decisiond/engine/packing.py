@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 
@@ -91,7 +90,8 @@ def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     if not prompts:
         return 0
     # The lexicographically first and last prompts differ first where any two do (one long prompt: no loop at all).
-    lists = cast("list[list[int]]", prompts)  # token lists compare lexicographically
+    # Token lists compare lexicographically (tuples are made lists: a list and a tuple do not compare).
+    lists = [p if isinstance(p, list) else list(p) for p in prompts]
     low, high = min(lists), max(lists)
     n = min(len(low), len(high))
     k = 0

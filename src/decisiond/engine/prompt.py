@@ -307,7 +307,7 @@ class ChatPrompter:
     def tokenize(self, prompt: str, content: str) -> list[int]:
         """The ids of a rendered prompt, with the user's ``content`` tokenized as text: special-token text in it
         (``<|im_start|>``…) stays text, so a request cannot forge a turn or an answer. Content without such text
-        is tokenized with the prompt, in one piece, as before."""
+        is tokenized with the prompt, as one text (``PromptIds``: from where it differs from a recent long prompt)."""
         if not any(special in content for special in self.special_texts):
             return self.prompt_ids.encode(prompt)
         at = prompt.rfind(content)

@@ -2,17 +2,18 @@
 
 The prompts of a document asked several questions (in one request, or again later) share the chat header and the
 whole document, about 2,000 tokens, and differ in the question's last lines: tokenizing each of them whole costs
-3 ms a prompt on a CPU, as much as a tenth of answering a question asked again about a cached document.
+3 ms a prompt on a CPU, as much as a twentieth of answering a question asked again about a cached document.
 
-A byte-level BPE tokenizer (GPT-2's pre-tokenizer: SmolLM2, Llama 3, Qwen…) cuts text into words with a regular
-expression scanned left to right, then each word into tokens on its own; a line break followed by a character that
-is not a space always ends a word. So where two texts agree up to well past such a line break, the tokens of the
+A byte-level BPE tokenizer with GPT-2's pre-tokenizer (GPT-2, SmolLM2, StarCoder…) cuts text into words with a
+regular expression scanned left to right, then each word into tokens on its own; a line break followed by a character
+that is not a space always ends a word. So where two texts agree up to well past such a line break, the tokens of the
 first text up to the break are the second's too, and only the rest of the second is tokenized. The cut is checked on
-the cached text itself: its tokens must be those of its part before the cut followed by those of its part after, or
-the whole new text is tokenized.
+the known text itself (its tokens must be those of its part before the cut followed by those of its part after), and
+it is taken only where it saves most of the work: otherwise the whole new text is tokenized. Tokenizers with other
+pre-tokenizers (Llama 3's and Qwen's split line breaks differently) always tokenize whole.
 
-``PromptIds.encode`` equals ``tokenizer.encode(text, add_special_tokens=False)`` (the tests compare them on many
-texts); for other tokenizers it is that call.
+``PromptIds.encode`` equals ``tokenizer.encode(text, add_special_tokens=False)`` (the tests compare them on texts made
+to break it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-# Texts shorter than this are tokenized whole (cheap); this many recent long texts are kept (with their ids).
-MIN_CHARS, ENTRIES = 2048, 16
+# Texts shorter than this are tokenized whole (cheap); this many recent long texts are kept with their ids, each at
+# most MAX_CHARS long (a longer prompt is refused for the context length anyway: it is not kept).
+MIN_CHARS, ENTRIES, MAX_CHARS = 2048, 16, 65536
 # The cut lies at least this many characters before the texts differ: a word's end depends on a character or two
 # after it (the regular expression's look-ahead).
 MARGIN = 16
@@ -32,15 +34,15 @@ MARGIN = 16
 @dataclass(frozen=True)
 class _Known:
     text: str
-    ids: list[int]
+    ids: tuple[int, ...]
 
 
 def _shared_length(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (by bisection: each comparison is one ``memcmp``)."""
+    """Length of the longest common prefix of two strings (by bisection, each step a prefix comparison in C)."""
     low, high = 0, min(len(a), len(b))
     while low < high:
         middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
+        if b.startswith(a[:middle]):
             low = middle
         else:
             high = middle - 1
@@ -73,37 +75,44 @@ class PromptIds:
     def encode(self, text: str) -> list[int]:
         if not self.enabled or len(text) < MIN_CHARS:
             return self._whole(text)
-        ids = self._from_known(text)
+        with self._lock:
+            known = self._known.get(text)
+            if known is not None:
+                self._known.move_to_end(text)
+                return list(known.ids)
+            recent = list(self._known.values())
+        ids = self._from_known(text, recent)
+        reused = ids is not None
         if ids is None:
             ids = self._whole(text)
-        else:
-            self.reused += 1
         with self._lock:
-            self._known[text] = _Known(text, ids)
-            self._known.move_to_end(text)
-            while len(self._known) > ENTRIES:
-                self._known.popitem(last=False)
+            self.reused += reused
+            if len(text) <= MAX_CHARS:
+                self._known[text] = _Known(text, tuple(ids))
+                self._known.move_to_end(text)
+                while len(self._known) > ENTRIES:
+                    self._known.popitem(last=False)
         return ids
 
-    def _from_known(self, text: str) -> list[int] | None:
-        with self._lock:
-            known = list(self._known.values())
+    def _from_known(self, text: str, recent: list[_Known]) -> list[int] | None:
         best, shared = None, 0
-        for entry in known:
+        for entry in recent:
             n = _shared_length(entry.text, text)
             if n > shared:
                 best, shared = entry, n
         if best is None:
             return None
         cut = self._cut(text, shared - MARGIN)
-        if cut is None:
+        # Taken where the two tails to tokenize are at most half the new text (a new document shares the chat header
+        # with every earlier prompt: tokenizing the known text's rest then would cost more than the new text whole).
+        if cut is None or 2 * ((len(best.text) - cut) + (len(text) - cut)) > len(text):
             return None
         # The cut checked on the known text: its ids are those of its head, then those of its rest.
         rest = self._whole(best.text[cut:])
         head = len(best.ids) - len(rest)
-        if head <= 0 or best.ids[head:] != rest:
+        if head <= 0 or list(best.ids[head:]) != rest:
             return None
-        return best.ids[:head] + self._whole(text[cut:])
+        return [*best.ids[:head], *self._whole(text[cut:])]
 
     @staticmethod
     def _cut(text: str, before: int) -> int | None:
