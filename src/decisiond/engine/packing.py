@@ -89,8 +89,8 @@ def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     """Number of leading tokens all prompts share."""
     if not prompts:
         return 0
-    # The lexicographically first and last prompts differ first where any two do (one long prompt: no loop at all).
-    # Token lists compare lexicographically (tuples are made lists: a list and a tuple do not compare).
+    # The lexicographically first and last prompts differ first where any two do: one comparison loop, not one per
+    # prompt (tuples are made lists: a list and a tuple do not compare).
     lists = [p if isinstance(p, list) else list(p) for p in prompts]
     low, high = min(lists), max(lists)
     n = min(len(low), len(high))
