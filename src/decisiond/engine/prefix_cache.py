@@ -49,6 +49,11 @@ class Lru(Generic[V]):
             self.put(key, found)
         return found
 
+    def items(self) -> list[tuple[Hashable, V]]:
+        """The entries, least recently used first (a copy: the cache may change meanwhile)."""
+        with self._lock:
+            return list(self._data.items())
+
     def __len__(self) -> int:
         return len(self._data)
 

@@ -19,9 +19,9 @@ to break it).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
+
+from .prefix_cache import Lru
 
 # Texts shorter than this are tokenized whole (cheap); this many recent long texts are kept with their ids, each at
 # most MAX_CHARS long (a longer prompt is refused for the context length anyway: it is not kept).
@@ -29,12 +29,6 @@ MIN_CHARS, ENTRIES, MAX_CHARS = 2048, 16, 65536
 # The cut lies at least this many characters before the texts differ: a word's end depends on a character or two
 # after it (the regular expression's look-ahead).
 MARGIN = 16
-
-
-@dataclass(frozen=True)
-class _Known:
-    text: str
-    ids: tuple[int, ...]
 
 
 def _shared_length(a: str, b: str) -> int:
@@ -65,8 +59,8 @@ class PromptIds:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.enabled = byte_level_bpe(tokenizer)
-        self._known: OrderedDict[str, _Known] = OrderedDict()
-        self._lock = threading.Lock()
+        self._known: Lru[tuple[int, ...]] = Lru(ENTRIES)  # recent long texts and their ids
+        self._count = threading.Lock()
         self.reused = 0  # texts tokenized from a cut (for tests)
 
     def _whole(self, text: str) -> list[int]:
@@ -75,54 +69,42 @@ class PromptIds:
     def encode(self, text: str) -> list[int]:
         if not self.enabled or len(text) < MIN_CHARS:
             return self._whole(text)
-        with self._lock:
-            known = self._known.get(text)
-            if known is not None:
-                self._known.move_to_end(text)
-                return list(known.ids)
-            recent = list(self._known.values())
-        ids = self._from_known(text, recent)
-        reused = ids is not None
+        known = self._known.get(text)
+        if known is not None:
+            return list(known)
+        ids = self._from_known(text)
         if ids is None:
             ids = self._whole(text)
-        with self._lock:
-            self.reused += reused
-            if len(text) <= MAX_CHARS:
-                self._known[text] = _Known(text, tuple(ids))
-                self._known.move_to_end(text)
-                while len(self._known) > ENTRIES:
-                    self._known.popitem(last=False)
+        else:
+            with self._count:
+                self.reused += 1
+        if len(text) <= MAX_CHARS:
+            self._known.put(text, tuple(ids))
         return ids
 
-    def _from_known(self, text: str, recent: list[_Known]) -> list[int] | None:
-        best, shared = None, 0
-        for entry in recent:
-            n = _shared_length(entry.text, text)
+    def _from_known(self, text: str) -> list[int] | None:
+        best, shared = "", 0
+        best_ids: tuple[int, ...] = ()
+        for other, ids in self._known.items():
+            n = _shared_length(str(other), text)
             if n > shared:
-                best, shared = entry, n
-        if best is None:
-            return None
+                best, best_ids, shared = str(other), ids, n
         cut = self._cut(text, shared - MARGIN)
         # Taken where the two tails to tokenize are at most half the new text (a new document shares the chat header
         # with every earlier prompt: tokenizing the known text's rest then would cost more than the new text whole).
-        if cut is None or 2 * ((len(best.text) - cut) + (len(text) - cut)) > len(text):
+        if cut is None or 2 * ((len(best) - cut) + (len(text) - cut)) > len(text):
             return None
         # The cut checked on the known text: its ids are those of its head, then those of its rest.
-        rest = self._whole(best.text[cut:])
-        head = len(best.ids) - len(rest)
-        if head <= 0 or list(best.ids[head:]) != rest:
+        rest = self._whole(best[cut:])
+        head = len(best_ids) - len(rest)
+        if head <= 0 or list(best_ids[head:]) != rest:
             return None
-        return [*best.ids[:head], *self._whole(text[cut:])]
+        return [*best_ids[:head], *self._whole(text[cut:])]
 
     @staticmethod
     def _cut(text: str, before: int) -> int | None:
         """The last position at most ``before`` that follows a line break and holds a character other than a space."""
-        at = before
-        while at > 0:
-            brk = text.rfind("\n", 0, at)
-            if brk < 0:
-                return None
-            if brk + 1 < len(text) and not text[brk + 1].isspace() and brk + 1 <= before:
-                return brk + 1
-            at = brk
-        return None
+        brk = text.rfind("\n", 0, max(before, 0))
+        while brk >= 0 and text[brk + 1].isspace():
+            brk = text.rfind("\n", 0, brk)
+        return brk + 1 if brk >= 0 else None
