@@ -60,7 +60,8 @@ def test_the_decoder_continues_a_cache_as_transformers_does(tokenizer, past, new
 @torch.no_grad()
 def test_attention_by_query_blocks_equals_one_call_over_padded_packed_rows(tokenizer, monkeypatch):
     """Two rows of different lengths, each a radix tree of prompts after a past of its own (padded): the tree mask is
-    not plain causal, and the blocks must cut it, the padding and the past alike."""
+    not plain causal, and the blocks must cut it, the padding and the past alike. The last block reads its keys
+    gathered (the first prompt's tail is hidden from it)."""
     model, decoder = decoder_of(tokenizer, seed=5)
     rows = [pack([[*range(10, 90), *range(200, 240)], [*range(10, 90), *range(300, 330)]], skip=0),
             pack([[*range(400, 470), 7, 8], [*range(400, 470), 9]], skip=0)]
@@ -83,7 +84,17 @@ def test_attention_by_query_blocks_equals_one_call_over_padded_packed_rows(token
                 torch.tensor([4]))
         return decoder(ids, positions, mask, cache, wanted)
 
+    planned: list[list[Any]] = []
+
+    def spy(*args: Any) -> list[Any]:
+        planned.append(plan(*args))
+        return planned[-1]
+
+    plan = decoder_module._blocks
+    monkeypatch.setattr(decoder_module, "_blocks", spy)
     blocks = run()
+    gathered = [b.ranges for b in planned[-1] if len(b.ranges) > 1]
+    assert gathered == [((0, 85), (125, 155))]  # the past and shared prefix, then the last tail (and padding)
     # The reference: one plain SDPA call a layer, KV heads repeated for the query heads as transformers does (not
     # folded, not in blocks).
     monkeypatch.setattr(decoder_module, "QUERY_BLOCK", 10_000)

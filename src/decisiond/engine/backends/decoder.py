@@ -14,7 +14,10 @@ embedding, in fewer tensor operations:
 - **Attention by blocks of queries**: SDPA computes masked query–key products like any other, so the queries of a
   long pass go ``QUERY_BLOCK`` at a time, each block against the keys up to its own last token (the keys after it
   are masked for the whole block: a token never sees a later one). About a third less attention work for a
-  500-token pass, for the same result up to float rounding (the keys left out weigh zero).
+  500-token pass, for the same result up to float rounding (the keys left out weigh zero). Where the tree mask hides
+  a fifth or more of those keys from a whole block (the tails of earlier questions, laid out before it), the block
+  reads only the runs of keys it sees, gathered: the shared prompt and its own tails. For a ticket asked 10
+  questions, SDPA went from 54–60 to 44–47 ms a request and the gathers cost 3 ms: 2 % of the request.
 - **Grouped KV heads folded** in a pass of a few tokens (a question asked about a cached document): each KV head's
   query heads go as one row of queries, so one SDPA call reads the document's keys once per KV head.
 - Element-wise work in place where the result is not needed twice (SwiGLU, residuals, rotary).
@@ -49,6 +52,54 @@ def _fold(mask: torch.Tensor, group: int) -> torch.Tensor:
     """``[rows, 1, queries, keys]`` → ``[rows, 1, group × queries, keys]``: the mask of each query, once for each query
     head of a KV head's group (``LlamaDecoder._attend_folded``)."""
     return mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+
+
+# A block of queries reads the keys it sees gathered (``_blocks``) where that leaves out at least this share of the keys
+# up to its last token: gathering copies the keys, so a block that sees most of them reads them in place.
+GATHER_FROM = 0.2
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Queries ``start:end`` of a pass, against the keys in ``ranges`` (key positions, the past's included), with
+    ``mask``, the pass's mask for those queries and keys."""
+
+    start: int
+    end: int
+    ranges: tuple[tuple[int, int], ...]
+    mask: torch.Tensor
+
+
+def _runs(columns: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The ``(start, end)`` runs of true values in a bool vector."""
+    at = columns.nonzero().squeeze(1).tolist()
+    runs, begin = [], at[0]
+    for previous, here in zip(at, at[1:]):
+        if here != previous + 1:
+            runs.append((begin, previous + 1))
+            begin = here
+    runs.append((begin, at[-1] + 1))
+    return tuple(runs)
+
+
+def _blocks(seen: torch.Tensor, mask: torch.Tensor, past: int) -> list[_Block]:
+    """The pass's queries in blocks of ``QUERY_BLOCK``, each with the keys it reads (``seen``: the bool mask, ``[rows,
+    1, queries, keys]``; ``mask``: the same, additive). A block reads the keys up to its own last token (a token never
+    sees a later one); where the tree mask hides a good share of those (other questions' tails, laid out before the
+    block), only the runs of keys some query of the block sees: the prompt's shared part and the block's own tails."""
+    width = seen.shape[2]
+    out = []
+    for start in range(0, width, QUERY_BLOCK):
+        end = min(width, start + QUERY_BLOCK)
+        upto = past + end
+        columns = seen[:, 0, start:end, :upto].any(dim=1).any(dim=0)
+        ranges: tuple[tuple[int, int], ...] = ((0, upto),)
+        if int(columns.sum()) <= (1 - GATHER_FROM) * upto:
+            ranges = _runs(columns)
+        block_mask = (mask[:, :, start:end, :upto] if len(ranges) == 1 and ranges[0][0] == 0 else
+                      torch.cat([mask[:, :, start:end, a:z] for a, z in ranges], dim=3))
+        out.append(_Block(start, end, ranges, block_mask))
+    return out
 
 
 @dataclass(frozen=True)
@@ -119,22 +170,25 @@ class LlamaDecoder:
         return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                in_order: bool) -> torch.Tensor:
-        """Attention of ``q`` (``[rows, heads, queries, head size]``), ``[rows, queries, heads × head size]``. When the
-        queries are the pass's tokens ``in_order`` (the last ``queries`` keys), they go in blocks of ``QUERY_BLOCK``,
-        each against the keys up to its own last token: the keys after a block are masked for all of it (a token
-        never sees a later one), and SDPA, which computes masked products like any other, is spared them."""
+                blocks: list[_Block] | None) -> torch.Tensor:
+        """Attention of ``q`` (``[rows, heads, queries, head size]``), ``[rows, queries, heads × head size]``: one SDPA
+        call, or one per block of queries (``_blocks``) against the keys that block sees."""
         rows, heads, width, d = q.shape
         grouped = keys.shape[1] != heads
-        step = QUERY_BLOCK if in_order else width
-        past = keys.shape[2] - width
+        if blocks is None:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=grouped)
+            return o.transpose(1, 2).reshape(rows, width, heads * d)
         out = q.new_empty(rows, width, heads, d)
-        for start in range(0, width, step):
-            end = min(width, start + step)
-            o = F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :past + end], values[:, :, :past + end],
-                                               attn_mask=mask[:, :, start:end, :past + end], scale=self.scale,
+        for b in blocks:
+            if len(b.ranges) == 1:
+                (a, z), = b.ranges
+                k, v = keys[:, :, a:z], values[:, :, a:z]
+            else:  # gathered: the runs of keys the block sees
+                k = torch.cat([keys[:, :, a:z] for a, z in b.ranges], dim=2)
+                v = torch.cat([values[:, :, a:z] for a, z in b.ranges], dim=2)
+            o = F.scaled_dot_product_attention(q[:, :, b.start:b.end], k, v, attn_mask=b.mask, scale=self.scale,
                                                enable_gqa=grouped)
-            out[:, start:end] = o.transpose(1, 2)
+            out[:, b.start:b.end] = o.transpose(1, 2)
         return out.view(rows, width, heads * d)
 
     def _attend_folded(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -156,8 +210,10 @@ class LlamaDecoder:
         rows, width, _ = h.shape
         cos, sin = inner.rotary_emb(h, positions)
         cos, sin = cos[:, None], sin[:, None]
+        seen = mask if mask.dtype == torch.bool else mask == 0
         if mask.dtype == torch.bool:  # additive, once for every layer
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        past = mask.shape[3] - width
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
         last = len(self.layers) - 1
         # A pass of a few tokens (a question asked again about a cached document) reads each KV head once for all the
@@ -165,6 +221,7 @@ class LlamaDecoder:
         group = heads // kv if kv != heads and self.grouped else 1
         fold = group > 1 and width <= QUERY_BLOCK
         folded = _fold(mask, group) if fold else None
+        blocks = None if fold else _blocks(seen, mask, past)
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.norm1)
             k = F.linear(x, layer.k, layer.k_bias).view(rows, width, kv, d).transpose(1, 2)
@@ -183,7 +240,7 @@ class LlamaDecoder:
             if folded is not None:
                 o = self._attend_folded(q, keys, values, folded)
             else:
-                o = self._attend(q, keys, values, attn_mask, in_order=i != last)
+                o = self._attend(q, keys, values, attn_mask, blocks if i != last else None)
             h = h + F.linear(o, layer.o, layer.o_bias)
             x = self._norm(h, layer.norm2)
             h += F.linear(F.silu(F.linear(x, layer.gate), inplace=True).mul_(F.linear(x, layer.up)), layer.down)
