@@ -102,6 +102,14 @@ def test_attention_by_query_blocks_equals_one_call_over_padded_packed_rows(token
     torch.testing.assert_close(blocks, run(), rtol=1e-5, atol=1e-5)  # float rounding at logits of ±15
 
 
+def test_runs_of_keys_a_block_sees():
+    runs = decoder_module._runs
+    assert runs(torch.tensor([True, True, False, True])) == ((0, 2), (3, 4))
+    assert runs(torch.tensor([False, True, True, True, False])) == ((1, 4),)
+    assert runs(torch.tensor([True, False, True, False, True])) == ((0, 1), (2, 3), (4, 5))
+    assert runs(torch.tensor([True])) == ((0, 1),)
+
+
 def test_models_it_does_not_compute_exactly_keep_transformers_forward(tokenizer):
     assert LlamaDecoder.of(tiny_loaded(tokenizer, dtype="bfloat16").model) is None
     assert LlamaDecoder.of(tiny_loaded(tokenizer, attn_implementation="eager").model) is None

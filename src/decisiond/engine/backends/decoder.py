@@ -71,15 +71,10 @@ class _Block:
 
 
 def _runs(columns: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """The ``(start, end)`` runs of true values in a bool vector."""
-    at = columns.nonzero().squeeze(1).tolist()
-    runs, begin = [], at[0]
-    for previous, here in zip(at, at[1:]):
-        if here != previous + 1:
-            runs.append((begin, previous + 1))
-            begin = here
-    runs.append((begin, at[-1] + 1))
-    return tuple(runs)
+    """The ``(start, end)`` runs of true values in a bool vector: where it turns on, then off (a false at each end)."""
+    edge = torch.zeros(1, dtype=torch.int8, device=columns.device)
+    turns = torch.cat([edge, columns.to(torch.int8), edge]).diff().nonzero().squeeze(1).tolist()
+    return tuple(zip(turns[0::2], turns[1::2]))
 
 
 def _blocks(seen: torch.Tensor, mask: torch.Tensor, past: int) -> list[_Block]:
