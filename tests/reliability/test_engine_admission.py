@@ -143,7 +143,8 @@ def test_the_limits_must_be_consistent(tiny):
 # ------------------------------------------------------------------------------------------ fairness
 
 
-def test_a_small_request_is_answered_between_the_passes_of_a_large_one(tiny):
+def test_a_small_request_is_answered_between_the_passes_of_a_large_one(tiny, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "CONTENDED_GRACE_S", 0.0)  # the moment after a small answer: below
     inner = backend(tiny)
     stepper = Stepper(inner, hold_at=2)
     scheduler = Scheduler(stepper, max_batch_tokens=64, max_wait_s=0)
@@ -185,6 +186,29 @@ def test_large_requests_go_in_short_passes_and_small_ones_in_full_passes(tiny, m
     for prompts, result in ((first.job.group.prompts, a), (second.job.group.prompts, b)):
         for prompt, got in zip(prompts, result.logprobs):
             assert got == pytest.approx(inner.reference(prompt, LABELS[0]), abs=1e-4)
+
+
+def test_a_large_request_right_after_a_small_one_goes_in_short_passes(tiny, monkeypatch):
+    """A client that sends its next small request when the last is answered finds the document in a short pass:
+    for a moment after a small run is answered, a large run's passes stay short, though it runs alone. Otherwise (a
+    large run answered before it included) a large run alone goes in passes of half the budget."""
+    monkeypatch.setattr(scheduler_module, "MIN_STEP_TOKENS", 8)
+    monkeypatch.setattr(scheduler_module, "CONTENDED_GRACE_S", 3600.0)  # "a moment", long enough for the test
+    stepper = Stepper(backend(tiny))
+    scheduler = Scheduler(stepper, max_batch_tokens=64, max_wait_s=0)
+    scheduler.submit(document_prompts(2, list(range(600, 700))), LABELS * 2).future.result(60)
+    assert max(stepper.sizes) == 32, stepper.sizes  # no small request answered yet: half the budget
+    stepper.sizes.clear()
+    scheduler.submit(document_prompts(2, list(range(650, 750))), LABELS * 2).future.result(60)
+    assert max(stepper.sizes) == 32, stepper.sizes  # a large request answered just before: still half
+    scheduler.submit([[1, 2, 3]], LABELS).future.result(60)  # a small request, answered
+    stepper.sizes.clear()
+    scheduler.submit(document_prompts(2, list(range(700, 800))), LABELS * 2).future.result(60)
+    assert len(stepper.sizes) > 4 and max(stepper.sizes) == 8, stepper.sizes  # an eighth
+    monkeypatch.setattr(scheduler_module, "CONTENDED_GRACE_S", 0.0)  # the moment has passed
+    stepper.sizes.clear()
+    scheduler.submit(document_prompts(2, list(range(800, 900))), LABELS * 2).future.result(60)
+    assert max(stepper.sizes) == 32, stepper.sizes
 
 
 # ------------------------------------------------------------------------------------------ joining

@@ -18,7 +18,9 @@ request with their label ids — and get a ``Ticket`` whose future yields the an
    ``STARVE_S`` for its next pass. A small request behind a long document is answered after a pass or two, a long
    one still progresses under a stream of small ones, and requests of one size are served in turn (least work left
    first let new small requests overtake older ones again and again: p95 three times p50 under 16 clients). Pass
-   sizes: ``_step_budget``. Small runs start at once, at most ``MAX_LARGE_RUNS`` larger ones at a time.
+   sizes: ``_step_budget``; a large run's passes stay short for ``CONTENDED_GRACE_S`` after a small run is
+   answered, for the next request of a client that sends one when the last is answered. Small runs start at once,
+   at most ``MAX_LARGE_RUNS`` larger ones at a time.
 4. **Cancellation.** A caller that gives up cancels its ticket's future (``asyncio`` does this when the HTTP
    handler is cancelled: client gone, deadline passed). A job whose callers have all gone is dropped while queued,
    and a run whose jobs have all gone is stopped between passes — after ``ABANDON_GRACE_S``, so that the retry of
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -57,6 +60,9 @@ STARVE_S = 1.0
 # open or waiting; alone, max_batch_tokens / ALONE_DIVISOR (as fast per token on a CPU, a shorter wait for others).
 CONTENDED_DIVISOR = 8
 ALONE_DIVISOR = 2
+# A large run stays in short passes this long after a small run was answered: a client that sends its next small
+# request when the last one is answered (a loop over tickets) finds it between two short passes, not behind a long one.
+CONTENDED_GRACE_S = 0.25
 MIN_STEP_TOKENS = 128
 # Each open large run holds its document's KV besides the prefix cache: one at a time bounds the server's memory.
 MAX_LARGE_RUNS = 1
@@ -155,6 +161,7 @@ class Scheduler:
         # (job key, size, expiry): the request refused first, whose retry is admitted before others.
         self._reservation: tuple[tuple[Any, ...], int, float] | None = None
         self._thread: threading.Thread | None = None
+        self._small_answered_at = -math.inf  # when a small run last finished (``_step_budget``)
 
     @property
     def waiting(self) -> int:
@@ -303,10 +310,12 @@ class Scheduler:
         """The tokens of ``run``'s next pass (a backend with a ``step_budget``). A run within one pass takes it
         whole: each pass reads all the weights once (about 60 ms for SmolLM2 on two CPU cores), and cutting small
         requests into short passes under 16 clients paid that several times a request. A large run (a document)
-        goes in short passes while other runs are open or waiting, so that they wait for one short pass only."""
+        goes in short passes while other runs are open or waiting, or a small one was answered a moment ago (its
+        client's next request may be on its way), so that they wait for one short pass only."""
         if run.size <= self.max_batch_tokens:
             return self.max_batch_tokens
-        if len(self._running) > 1 or self._waiting:
+        recently = time.monotonic() - self._small_answered_at < CONTENDED_GRACE_S
+        if len(self._running) > 1 or self._waiting or recently:
             return min(self.max_batch_tokens, max(MIN_STEP_TOKENS, self.max_batch_tokens // CONTENDED_DIVISOR))
         return max(MIN_STEP_TOKENS, self.max_batch_tokens // ALONE_DIVISOR)
 
@@ -357,6 +366,8 @@ class Scheduler:
     def _finish(self, run: Run, outcome: list[Scored] | BaseException) -> None:
         with self._lock:
             self._running.remove(run)
+            if run.size <= self.max_batch_tokens:
+                self._small_answered_at = time.monotonic()
             for job in run.jobs:
                 self._release(job)
             if not isinstance(outcome, BaseException):
