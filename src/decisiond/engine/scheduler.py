@@ -306,13 +306,17 @@ class Scheduler:
                 self.backend.step_budget = self._step_budget(run)
             return None, run
 
+    def _large(self, size: int) -> bool:
+        """Whether a job or run of ``size`` tokens is large: more than one pass (a document)."""
+        return size > self.max_batch_tokens
+
     def _step_budget(self, run: Run) -> int:
         """The tokens of ``run``'s next pass (a backend with a ``step_budget``). A run within one pass takes it
         whole: each pass reads all the weights once (about 60 ms for SmolLM2 on two CPU cores), and cutting small
         requests into short passes under 16 clients paid that several times a request. A large run (a document)
         goes in short passes while other runs are open or waiting, or a small one was answered a moment ago (its
         client's next request may be on its way), so that they wait for one short pass only."""
-        if run.size <= self.max_batch_tokens:
+        if not self._large(run.size):
             return self.max_batch_tokens
         recently = time.monotonic() - self._small_answered_at < CONTENDED_GRACE_S
         if len(self._running) > 1 or self._waiting or recently:
@@ -322,10 +326,10 @@ class Scheduler:
     def _start_runs(self) -> None:
         """Waiting jobs into runs: small runs at once, large ones while fewer than ``MAX_LARGE_RUNS`` are open."""
         while self._waiting:
-            large = sum(1 for r in self._running if r.size > self.max_batch_tokens)
+            large = sum(1 for r in self._running if self._large(r.size))
             first = self._waiting[0]
-            if first.size > self.max_batch_tokens and large >= MAX_LARGE_RUNS:
-                small = next((j for j in self._waiting if j.size <= self.max_batch_tokens), None)
+            if self._large(first.size) and large >= MAX_LARGE_RUNS:
+                small = next((j for j in self._waiting if not self._large(j.size)), None)
                 if small is None:
                     return
                 self._waiting.remove(small)
@@ -366,7 +370,7 @@ class Scheduler:
     def _finish(self, run: Run, outcome: list[Scored] | BaseException) -> None:
         with self._lock:
             self._running.remove(run)
-            if run.size <= self.max_batch_tokens:
+            if not self._large(run.size):
                 self._small_answered_at = time.monotonic()
             for job in run.jobs:
                 self._release(job)
