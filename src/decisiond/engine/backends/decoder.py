@@ -91,8 +91,11 @@ def _blocks(seen: torch.Tensor, mask: torch.Tensor, past: int) -> list[_Block]:
         ranges: tuple[tuple[int, int], ...] = ((0, upto),)
         if int(columns.sum()) <= (1 - GATHER_FROM) * upto:
             ranges = _runs(columns)
-        block_mask = (mask[:, :, start:end, :upto] if len(ranges) == 1 and ranges[0][0] == 0 else
-                      torch.cat([mask[:, :, start:end, a:z] for a, z in ranges], dim=3))
+        if len(ranges) == 1:  # one run: a view, as ``_attend`` reads its keys
+            (a, z), = ranges
+            block_mask = mask[:, :, start:end, a:z]
+        else:
+            block_mask = torch.cat([mask[:, :, start:end, a:z] for a, z in ranges], dim=3)
         out.append(_Block(start, end, ranges, block_mask))
     return out
 
