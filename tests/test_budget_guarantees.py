@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,11 @@ PRICED = """
   - {name: counted, provider: counting, upstream: gpt-6-luna, pricing: {input_per_mtok: 1000}}
   - {name: judge-priced, provider: counting, upstream: judge, pricing: {per_request: 0.01}}
   - {name: judged, provider: counting, upstream: gpt-6-luna, guardrails: [judge]}
+  - {name: wrong, provider: lying, upstream: gpt-6-luna, pricing: {input_per_mtok: 1000}}
+"""
+VIRTUAL = """
+virtual_models:
+  - {name: wrong-then-counted, targets: [wrong, counted]}
 """
 
 
@@ -40,7 +46,7 @@ def config(database: str) -> str:
 auth:
   master_key: "${{TEST_MASTER}}"
 database_url: "{database}"
-budget_reservation_ttl_s: 3
+budget_reservation_ttl_s: 3600
 cache: {{enabled: false}}
 guardrails:
   - {{name: judge, type: decision_judge, model: judge-priced, instructions: "Is this rude?", user_path: /guardrails/j,
@@ -48,7 +54,8 @@ guardrails:
 providers:
   - {{name: chat, type: openai, base_url: "${{CHAT}}/v1"}}
   - {{name: counting, type: openai, base_url: "${{COUNTING}}/v1"}}
-models:{PRICED}"""
+  - {{name: lying, type: openai, base_url: "${{LYING}}/v1"}}
+models:{PRICED}{VIRTUAL}"""
 
 
 def counting_server() -> upstreams.Upstream:
@@ -64,9 +71,20 @@ def counting_server() -> upstreams.Upstream:
     return upstreams.Upstream(handle).start()
 
 
+def lying_server() -> upstreams.Upstream:
+    """OpenAI's Decisions API answering with a probability outside [0, 1] — and billing 100 input tokens for it."""
+    def handle(seen):
+        body = seen.json()
+        answers = [{**upstreams.openai_answer(q, i), "probability": 7.5} for i, q in enumerate(body["questions"])]
+        return 200, {}, {"answers": answers, "model": body["model"],
+                         "usage": {"input_tokens": 100, "output_tokens": 0, "total_tokens": 100}}
+    return upstreams.Upstream(handle).start()
+
+
 @pytest.fixture(scope="module")
 def ups():
-    servers = {"CHAT": upstreams.ChatUpstream(output_tokens=800), "COUNTING": counting_server()}
+    servers = {"CHAT": upstreams.ChatUpstream(output_tokens=800), "COUNTING": counting_server(),
+               "LYING": lying_server()}
     yield servers
     for server in servers.values():
         server.stop()
@@ -76,7 +94,7 @@ def start(folder, database: str, ups) -> object:
     path = folder / "gateway.yaml"
     path.write_text(config(database))
     return start_decisiond("--config", str(path), env={"TEST_MASTER": MASTER, "CHAT": ups["CHAT"].url,
-                                                       "COUNTING": ups["COUNTING"].url})
+                                                       "COUNTING": ups["COUNTING"].url, "LYING": ups["LYING"].url})
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +207,8 @@ def test_decisions_counted_above_the_estimate_stay_within_the_budget(single):
 
 
 def test_a_reservation_left_by_a_killed_replica_is_released_after_its_time_to_live(ups, tmp_path):
-    database = f"sqlite:///{tmp_path}/killed.sqlite3"
-    server = start(tmp_path, database, ups)
+    database = tmp_path / "killed.sqlite3"
+    server = start(tmp_path, f"sqlite:///{database}", ups)
     key = new_key(server)
     ident = put_budget(server, key=key["id"], limit_usd=2)
     def hold() -> None:  # the request the kill cuts off
@@ -207,15 +225,16 @@ def test_a_reservation_left_by_a_killed_replica_is_released_after_its_time_to_li
     assert held["reservations"] == 1 and held["reserved_usd"] > 1
     server.process.kill()  # SIGKILL: the reservation is never settled
     server.process.wait()
-    server = start(tmp_path, database, ups)
+    server = start(tmp_path, f"sqlite:///{database}", ups)
     try:
         orphan = budget(server, ident)
         assert orphan["reservations"] == 1 and orphan["reserved_usd"] == held["reserved_usd"]
         assert orphan["oldest_reservation_age_s"] >= 0
-        # Two reservations ($1.073 each) do not fit in $2 until the orphan goes: a chat now is refused, after the
-        # orphan's time to live it passes.
+        # Two reservations ($1.073 each) do not fit in $2 until the orphan goes: a chat now is refused (its time to
+        # live is an hour); once the test moves the orphan's clock past that hour, a chat passes.
         assert chat(server, key["key"], stream=False) == 402
-        time.sleep(max(0.0, 3.2 - budget(server, ident)["oldest_reservation_age_s"]))
+        with contextlib.closing(sqlite3.connect(database)) as db, db:
+            db.execute("UPDATE budget_reservations SET created_ms = created_ms - 3601000")
         assert chat(server, key["key"], stream=False) == 200
         after = settled(server, ident)
         assert after["reservations"] == 0 and after["reserved_usd"] == 0
@@ -244,3 +263,95 @@ def test_a_judge_is_charged_to_its_own_path_and_stops_at_its_budget(single):
             break
         time.sleep(0.1)
     assert sorted((r["status"], round(r["cost"], 6)) for r in rows) == [(200, 0.01), (402, 0.0)]
+
+
+def test_an_answer_that_fails_its_check_is_still_charged_and_recorded(single, ups):
+    """The first target answers with a probability of 7.5 and bills 100 tokens ($0.10): the answer is refused and
+    the request fails over, but the bill is real — it has its own usage row (502, with its cost) and its budget
+    pays it, beside the answer's own row."""
+    key = new_key(single)
+    ident = put_budget(single, key=key["id"], limit_usd=10)
+    client = openai.OpenAI(base_url=single.url + "/v1", api_key=key["key"], max_retries=0, timeout=60)
+    text = "The invoice was charged twice."  # 30 bytes: $0.03 from the counting upstream
+    raw = client.decisions.with_raw_response.create(model="wrong-then-counted", input=text, questions=[
+        {"type": "predicate", "name": "billing", "instructions": "Is this about billing?"}])
+    assert raw.status_code == 200 and float(raw.headers["x-decisiond-cost"]) == pytest.approx(0.10 + 0.03)
+    assert settled(single, ident)["spent_usd"] == pytest.approx(0.13)
+    deadline = time.monotonic() + 20
+    while True:
+        rows = httpx.get(single.url + "/admin/audit", headers=ADMIN, params={"key": key["id"]}).json()["data"]
+        if len(rows) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sorted((r["status"], r["error_code"], r["model"], round(r["cost"], 6)) for r in rows) == [
+        (200, None, "counted", 0.03), (502, "upstream_invalid_response", "wrong", 0.1)]
+    assert {r["request_id"] for r in rows} == {raw.headers["x-request-id"]}
+
+
+def test_a_reservation_that_cannot_be_made_in_time_is_refused_not_admitted_free(ups, tmp_path):
+    """Another connection holds the SQLite write lock (a slow database's stand-in): the reservation cannot commit
+    within its time, so the request is refused with 503 — the upstream is never called, nothing is admitted
+    unchecked. Once the lock goes, nothing is left held: a reservation that commits after its request gave up on it
+    is released by the replica that made it."""
+    database = tmp_path / "locked.sqlite3"
+    server = start(tmp_path, f"sqlite:///{database}", ups)
+    try:
+        key = new_key(server)
+        ident = put_budget(server, key=key["id"], limit_usd=20)
+        assert chat(server, key["key"], stream=False) == 200
+        calls = len(ups["CHAT"].seen)
+        lock = sqlite3.connect(database, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")
+        try:
+            refused = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                                 headers={"Authorization": f"Bearer {key['key']}"},
+                                 json={"model": "pricey", "messages": [{"role": "user", "content": "Say hello"}]})
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "budget_unavailable"
+        assert len(ups["CHAT"].seen) == calls  # never sent upstream
+        after = settled(server, ident)
+        assert after["reservations"] == 0 and after["reserved_usd"] == 0
+        assert after["spent_usd"] == pytest.approx(PER_CHAT)  # the first chat alone
+    finally:
+        server.stop()
+
+
+def test_requests_admitted_while_the_database_is_down_are_charged_when_it_returns(ups, tmp_path):
+    """PostgreSQL stops: with ``budgets_when_database_down: admit`` (the default) requests under a budget are let
+    through unchecked — and charged, once the database is back, from the usage journal: admitted means charged later,
+    never free."""
+    postgres = start_postgres()
+    path = tmp_path / "gateway.yaml"
+    path.write_text(config(postgres.url).replace(
+        'auth:\n  master_key: "${TEST_MASTER}"',
+        'auth:\n  master_key: "${TEST_MASTER}"\n  keys: [{name: alice, key: alice-static-key-0123456789}]') + """
+budgets:
+  - {key: "static:alice", limit_usd: 100, period: daily}
+""")
+    server = start_decisiond("--config", str(path), env={"TEST_MASTER": MASTER, "CHAT": ups["CHAT"].url,
+                                                         "COUNTING": ups["COUNTING"].url, "LYING": ups["LYING"].url})
+    text = "The invoice was charged twice."  # 30 bytes: $0.03 a request
+
+    def ask() -> int:
+        return httpx.post(server.url + "/v1/decisions", timeout=60,
+                          headers={"Authorization": "Bearer alice-static-key-0123456789"},
+                          json={"model": "counted", "input": text, "questions": [
+                              {"type": "predicate", "name": "billing", "instructions": "Is this about billing?"}]}
+                          ).status_code
+
+    try:
+        assert [ask() for _ in range(3)] == [200] * 3
+        postgres.stop()
+        assert [ask() for _ in range(3)] == [200] * 3  # admitted unchecked
+        assert "budgets not checked: the database is unavailable" in server.log()
+        postgres.start()
+        (ident,) = [b["id"] for b in httpx.get(server.url + "/admin/budgets", headers=ADMIN).json()["data"]]
+        deadline = time.monotonic() + 60
+        while (view := budget(server, ident))["spent_usd"] < 0.18 - 1e-9 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert view["spent_usd"] == pytest.approx(6 * 0.03) and view["reservations"] == 0
+    finally:
+        server.stop()
+        postgres.remove()

@@ -53,6 +53,11 @@ models:
      pricing: {input_per_mtok: 1.0, output_per_mtok: 1.0}}
 virtual_models:
   - {name: vs1, targets: [fs1/secret-upstream-model]}
+  # Nested: the guardrail and the budget are on "inner" alone; every name that may pass through it carries them.
+  - {name: inner, targets: [other], guardrails: [no-passwords]}
+  - {name: outer, targets: [inner]}
+  - {name: outermost, strategy: alias, targets: [outer]}
+  - {name: steps, strategy: cascade, targets: [outer, other], escalate_below: 0.9}
 """
 
 
@@ -166,6 +171,83 @@ def test_a_shared_spelling_is_refused_not_guessed():
     with pytest.raises(Exception) as e:
         catalog.resolve_name("up/m", strict=True)
     assert "shared by several configured models (a, b)" in str(e.value)
+
+
+# ------------------------------------------------------------------------ nested virtual models, one policy
+
+# (name asked, entries whose policy applies): virtual → virtual → model, alias → virtual → virtual → model,
+# cascade → failover → model, and the plain cases around them.
+NESTED = [
+    ("other", {"other"}),
+    ("inner", {"inner", "other"}),
+    ("outer", {"outer", "inner", "other"}),
+    ("outermost", {"outermost", "outer", "inner", "other"}),
+    ("steps", {"steps", "outer", "inner", "other"}),
+    ("vs1", {"vs1", "s1m"}),
+]
+
+
+@pytest.mark.parametrize("name, entries", NESTED)
+def test_policy_is_every_entry_a_request_may_pass_through(name, entries):
+    from decisiond.gateway.config import parse
+
+    catalog = Catalog.from_config(parse(yaml_config()), {})
+    assert set(catalog.policy_names(name)) == entries
+
+
+def yaml_config() -> dict:
+    import yaml
+
+    document = yaml.safe_load(CONFIG.replace("${S1}", "http://127.0.0.1:9").replace("${CHAT}", "http://127.0.0.1:9"))
+    document["providers"] = [p for p in document["providers"] if p["type"] != "local"]
+    document["models"] = [m for m in document["models"] if m["provider"] != "local"]
+    document.pop("auth")
+    document.pop("database_url")
+    return document
+
+
+def test_an_alias_or_failover_of_a_cascade_is_refused_at_start():
+    from decisiond.gateway.config import ConfigError, parse
+
+    for strategy in ("alias", "failover"):
+        document = yaml_config()
+        document["virtual_models"].append({"name": "wraps-steps", "strategy": strategy, "targets": ["steps"]})
+        with pytest.raises(ConfigError) as e:
+            parse(document)
+        assert "a cascade is asked by name only" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["inner", "outer", "outermost", "steps"])
+def test_a_guardrail_of_an_inner_virtual_model_holds_at_any_depth(gateway, ups, name):
+    key = new_key(gateway)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key["key"], max_retries=0)
+    calls = len(ups["S1"].seen)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.decisions.create(model=name, input="my password is hunter2", questions=[QUESTION])
+    assert e.value.code == "guardrail_blocked"
+    assert len(ups["S1"].seen) == calls  # the upstream was never called
+    assert client.decisions.create(model=name, input="hello", questions=[QUESTION]).answers
+
+
+def test_a_budget_of_an_inner_virtual_model_holds_at_any_depth(gateway, ups):
+    key = new_key(gateway)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key["key"], max_retries=0)
+    put = httpx.put(gateway.url + "/admin/budgets", headers=ADMIN,
+                    json={"model": "inner", "limit_usd": 0, "period": "daily"})
+    assert put.status_code == 200, put.text
+    try:
+        time.sleep(2.2)  # the budget list is re-read within BUDGET_CACHE_S
+        calls = len(ups["S1"].seen)
+        for name in ("inner", "outer", "outermost", "steps"):
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.decisions.create(model=name, input="hello", questions=[QUESTION])
+            assert refused.value.status_code == 402 and refused.value.code == "budget_exceeded", name
+            assert "model inner" in refused.value.message
+        assert len(ups["S1"].seen) == calls
+        assert client.decisions.create(model="other", input="hello", questions=[QUESTION]).answers  # not "inner"
+    finally:
+        httpx.delete(gateway.url + f"/admin/budgets/{put.json()['id']}", headers=ADMIN)
+        time.sleep(2.2)
 
 
 # ---------------------------------------------------------------------------------- route × stage, each cell

@@ -50,7 +50,8 @@ def test_an_unreachable_postgresql_is_one_line_naming_it_without_its_password(tm
     port = free_port()  # nothing listens there
     line = refusal(tmp_path, f'database_url: "postgresql://decisiond:hunter2@127.0.0.1:{port}/usage"\n')
     assert line.startswith(f"decisiond: database_url: cannot open postgresql://decisiond:***@127.0.0.1:{port}/usage: ")
-    assert "Connect call failed" in line and "hunter2" not in line
+    # asyncio says "Connect call failed", uvloop "Connection refused": either names the cause
+    assert ("Connect call failed" in line or "Connection refused" in line) and "hunter2" not in line
     line = refusal(tmp_path, env={"DECISIOND_DATABASE_URL": f"postgresql://u@127.0.0.1:{port}/usage"})
     assert line.startswith("decisiond: DECISIOND_DATABASE_URL: cannot open")
 

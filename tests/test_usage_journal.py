@@ -279,3 +279,104 @@ def test_a_live_process_journal_is_not_taken_and_one_per_process(tmp_path):
     orphan.release()
     b.close()
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------ a busy database
+
+
+def test_a_locked_sqlite_database_holds_rows_back_and_sends_none_to_the_dead_letters(tmp_path):
+    """Another connection holds SQLite's write lock past the busy timeout while a batch is written: the batch is
+    put off, not split and dead-lettered; once the lock goes, every row lands, each once."""
+    import sqlite3
+
+    path = tmp_path / "usage.sqlite3"
+
+    async def main() -> None:
+        db = await Database.open(f"sqlite:///{path}")
+        writer = UsageWriter(db, journal=Journal.open(tmp_path / "journal"))
+        lock = sqlite3.connect(path, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")  # the write lock, held by another connection
+        for i in range(30):
+            writer.submit(record(f"locked_{i}"))
+        writer.start()
+        while writer.deferred == 0:  # the writer met the lock, gave up after the busy timeout, and put it off
+            await asyncio.sleep(0.05)
+        assert writer.written == 0 and writer.dead_letters == 0
+        lock.execute("ROLLBACK")
+        lock.close()
+        while writer.written < 30:
+            await asyncio.sleep(0.05)
+        await writer.aclose()
+        rows = await rows_of(db)
+        await db.aclose()
+        assert sorted(r.request_id for r in rows) == sorted(f"locked_{i}" for i in range(30))
+        assert writer.dead_letters == 0 and not (tmp_path / "journal" / "dead-letter.jsonl").exists()
+
+    asyncio.run(main())
+
+
+def test_a_connection_dropped_mid_batch_on_postgresql_is_retried_not_dead_lettered(postgres_url, tmp_path):
+    """A batch waits on a table lock held by another session, and its connection is then terminated (as a restart,
+    a failover or a network cut does): the error is the database's state, not the records'; the batch is retried
+    whole and lands once the lock goes, with no dead letter."""
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    async def main() -> None:
+        db = await Database.open(postgres_url)
+        url = make_url(postgres_url)
+        other = await asyncpg.connect(host=url.host, port=url.port, user=url.username, database=url.database,
+                                      password=url.password)
+        writer = UsageWriter(db, journal=Journal.open(tmp_path / "journal"))
+        await other.execute("BEGIN")
+        await other.execute("LOCK TABLE usage IN ACCESS EXCLUSIVE MODE")
+        for i in range(30):
+            writer.submit(record(f"dropped_{i}"))
+        writer.start()
+        waiting: list = []
+        while not waiting:  # the writer's INSERT, blocked on the lock
+            waiting = await other.fetch("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            await asyncio.sleep(0.05)
+        await other.execute("SELECT pg_terminate_backend($1)", waiting[0]["pid"])
+        while writer.deferred == 0:
+            await asyncio.sleep(0.05)
+        await other.execute("COMMIT")
+        await other.close()
+        while writer.written < 30:
+            await asyncio.sleep(0.05)
+        await writer.aclose()
+        rows = [r for r in await rows_of(db) if r.request_id.startswith("dropped_")]
+        await db.aclose()
+        assert sorted(r.request_id for r in rows) == sorted(f"dropped_{i}" for i in range(30))
+        assert writer.dead_letters == 0 and not (tmp_path / "journal" / "dead-letter.jsonl").exists()
+
+    asyncio.run(main())
+
+
+def test_an_idle_writer_without_a_journal_waits_instead_of_spinning(tmp_path, monkeypatch):
+    """With nothing to write and no journal to scan, the writer sleeps until a record comes (it once polled with a
+    timeout of 0: thousands of turns a second)."""
+
+    async def main() -> None:
+        db = await Database.open(f"sqlite:///{tmp_path}/usage.sqlite3")
+        writer = UsageWriter(db)
+        turns = 0
+        pending = writer._pending
+
+        def counted() -> bool:
+            nonlocal turns
+            turns += 1
+            return pending()
+
+        monkeypatch.setattr(writer, "_pending", counted)
+        writer.start()
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        idle = turns
+        writer.submit(record("after_idle"))
+        await writer.aclose()
+        rows = await rows_of(db)
+        await db.aclose()
+        assert idle <= 2 and [r.request_id for r in rows] == ["after_idle"]
+
+    asyncio.run(main())

@@ -87,10 +87,12 @@ USAGE_PURGE_INTERVAL_S = 3600.0
 # to the column's size, ending in this marker.
 USAGE_ORPHAN_SCAN_S = 60.0
 USAGE_CUT_MARKER = "…[cut]"
+# Seconds a failed usage insert waits for ``SELECT 1`` before it counts the database as down (and retries the batch).
+USAGE_PING_TIMEOUT_S = 5.0
 # Seconds to connect to PostgreSQL (start-up fails with one line after that; later, a write is retried).
 DATABASE_CONNECT_TIMEOUT_S = 10.0
 # Budgets: the list is re-read from the database this often (a change on another replica is seen within it); a
-# reservation or settlement waits at most BUDGET_DB_TIMEOUT_S for the database.
+# reservation waits at most BUDGET_DB_TIMEOUT_S for the database (then 503; settlements ride on usage rows).
 BUDGET_CACHE_S = 2.0
 BUDGET_DB_TIMEOUT_S = 3.0
 # GET /admin/audit: rows per page at most.

@@ -245,10 +245,30 @@ class Catalog:
         return next((t for t in self.chain(name) if t.unsupported(request) is None), None)
 
     def policy_names(self, name: str) -> tuple[str, ...]:
-        """Every model whose policy applies to a request for ``name``: the name itself and, for a virtual model,
-        each configured entry it may route to."""
-        names = [name] + [t.name for t in self.chain(name) if t.configured]
-        return tuple(dict.fromkeys(names))
+        """Every entry whose policy applies to a request for ``name`` (canonical), in the order a request meets them:
+        the name itself and every entry it may pass through, at any depth — the virtual models in between (a
+        failover's targets, an alias's one, a cascade's steps, each expanded in turn) and the configured models the
+        chain ends on. Raw upstreams carry no policy of their own and are left out. This is the one set every
+        policy stage reads (guardrails, budgets, cache settings); rate limits of a model apply at each attempt on
+        it, and the allowlist to the name asked."""
+        names: dict[str, None] = {}
+
+        def walk(entry: str) -> None:
+            canonical = self.canonical(entry) or entry
+            if canonical in names:
+                return
+            if canonical in self.virtual:
+                names[canonical] = None
+                for target in self.virtual[canonical].targets:
+                    walk(target)
+            elif canonical in self.models:
+                names[canonical] = None
+
+        names[name] = None
+        if name in self.virtual:
+            for target in self.virtual[name].targets:
+                walk(target)
+        return tuple(names)
 
     def resolve_name(self, name: str | None, strict: bool, internal: bool = False) -> str:
         """The canonical model to route. Lenient dialects (System One, SGLang) send unknown names to the default.

@@ -46,6 +46,15 @@ def _unreported(step: Step) -> None:
     return None
 
 
+# Told of an attempt whose provider answered — and billed — but whose answer failed its check (the attempt then
+# fails over as any other failure): the target, the answer and the error.
+Billed = Callable[["Target", DecisionResult, ProviderError], None]
+
+
+def _unbilled(target: "Target", result: DecisionResult, error: ProviderError) -> None:
+    return None
+
+
 class Observer:
     """Told about each attempt on a target (``decisiond.metrics.Metrics`` counts them); does nothing itself."""
 
@@ -77,18 +86,20 @@ class Router(Catalog):
     # -------------------------------------------------------------------------------- answering
 
     async def decide(self, request: DecisionRequest, name: str, gate: Gate = _open_gate,
-                     report: Callable[[Step], None] | None = None, ends: float | None = None) -> DecisionResult:
+                     report: Callable[[Step], None] | None = None, ends: float | None = None,
+                     billed: Billed = _unbilled) -> DecisionResult:
         """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for. OpenAI's limits
         were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here. A cascade
         (``gateway.cascade``) tells ``report`` of each call it makes; ``ends``: an outer deadline
-        (``time.monotonic()``), a cascade's over its steps."""
+        (``time.monotonic()``), a cascade's over its steps; ``billed`` hears of every answer that failed its check
+        (the provider billed it all the same)."""
         skipped: list[DecisionError] = []
         failure: ProviderError | None = None
         virtual = self.virtual.get(name)
         budget = virtual.deadline if virtual is not None and virtual.deadline is not None else self.deadline
         ends = min(time.monotonic() + budget, ends if ends is not None else math.inf)
         if virtual is not None and virtual.strategy == "cascade":
-            return await self._cascade(request, virtual, gate, report or _unreported, ends)
+            return await self._cascade(request, virtual, gate, report or _unreported, ends, billed)
         for target in self.chain(name):
             reason = target.unsupported(request)
             if reason is not None:
@@ -111,7 +122,8 @@ class Router(Catalog):
                     result = await _within(target.provider.decide(request, target.upstream), timeout, target)
                     if admission is not None:
                         await admission.settle(result.usage.input_tokens)
-                check_result(request, result, target.provider.name)
+                result.provider_format = target.provider.format
+                _checked(request, result, target, billed)
                 self.observer.attempt_done(target, started)
             except ProviderError as error:
                 self.observer.attempt_done(target, started, error)
@@ -121,7 +133,6 @@ class Router(Catalog):
                     raise
                 failure = error
                 continue
-            result.provider_format = target.provider.format
             return result
         if failure is not None:
             raise failure
@@ -130,9 +141,9 @@ class Router(Catalog):
             skipped[0].path, code=skipped[0].code)
 
     async def _cascade(self, request: DecisionRequest, virtual: VirtualModelConfig, gate: Gate,
-                       report: Callable[[Step], None], ends: float) -> DecisionResult:
+                       report: Callable[[Step], None], ends: float, billed: Billed) -> DecisionResult:
         async def ask(asked: DecisionRequest, step: str, step_gate: Gate) -> DecisionResult:
-            return await self.decide(asked, self.canonical(step) or step, step_gate, ends=ends)
+            return await self.decide(asked, self.canonical(step) or step, step_gate, ends=ends, billed=billed)
 
         return await cascade.run(request, virtual.targets, virtual.thresholds, ask,
                                  lambda asked, step: self.first_target(asked, step) is not None, gate, report)
@@ -213,6 +224,15 @@ class Router(Catalog):
     async def aclose(self) -> None:
         for provider in self.providers.values():
             await provider.aclose()
+
+
+def _checked(request: DecisionRequest, result: DecisionResult, target: Target, billed: Billed) -> None:
+    """``check_result``; an answer that fails it is told to ``billed`` before the error goes on."""
+    try:
+        check_result(request, result, target.provider.name)
+    except ProviderError as error:
+        billed(target, result, error)
+        raise
 
 
 async def _within(attempt: Coroutine[Any, Any, DecisionResult], seconds: float | None,

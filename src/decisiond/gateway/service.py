@@ -127,6 +127,7 @@ class Gateway:
             self.budgets = BudgetStore(self.db, self.config.budget_reservation_ttl_s)
             for budget in self.config.budgets:
                 await self.budgets.put(budget, "config")
+            await self.budgets.budgets()  # known from the start: a database that goes down later keeps this list
             self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal)
             self.usage.start()
             log.info("database ready", extra={"database": self.db.dialect})
@@ -199,12 +200,25 @@ class Gateway:
             self._priced(context, tried, Usage(input_tokens=score.prompt_tokens), "local")
             return score
         steps: list[Step] = []  # a cascade's calls, each priced by its own target
+        failed: list[Call] = []  # answers that failed their check: billed by their providers all the same
+
+        def billed(target: Target, answer: DecisionResult, error: ProviderError) -> None:
+            failed.append(Call([target.name], (target.provider.name, target.name), answer.usage, answer.model,
+                               pricing.cost(target.price, answer.usage, answer.provider_format), error.status,
+                               error.code))
+
         try:
-            result: DecisionResult = await self.router.decide(request, context.resolved_model, gate, steps.append)
-        finally:
-            _cascaded(context, steps, len(request.questions))
+            result: DecisionResult = await self.router.decide(request, context.resolved_model, gate, steps.append,
+                                                              billed=billed)
+        except BaseException:
+            _cascaded(context, steps, len(request.questions), failed)
+            raise
         if not steps:
             self._priced(context, tried, result.usage, result.provider_format)
+            if failed:  # the answer's own row, beside those of the billed failures
+                failed.append(Call(list(context.targets_tried), context.answered_by, result.usage, result.model,
+                                   context.cost or 0.0))
+        _cascaded(context, steps, len(request.questions), failed)
         return result
 
     async def answer_openai(self, body: Any, caller: Caller | None = None, request_id: str | None = None,
@@ -245,13 +259,14 @@ class Gateway:
         ``audit.log_bodies``; ``guardrail``: the guardrail a judge call was made for."""
         if self.usage is None:
             return
-        if len(context.calls) > 1:  # a cascade's calls: one row each, under the request's id (bodies on the first)
+        if context.calls:  # one row per call, under the request's id (bodies and budget charges on the first)
             for n, call in enumerate(context.calls):
                 part = dataclasses.replace(context, calls=[], targets_tried=call.targets_tried,
-                                           answered_by=call.answered_by, cost=call.cost)
+                                           answered_by=call.answered_by, cost=call.cost,
+                                           charges=context.charges if n == 0 else [])
                 answer = DecisionResult(call.model or "", [], call.usage) if call.usage is not None else None
-                self.record(request_type, part, status, error_code, answer, document if n == 0 else None,
-                            body if n == 0 else None, guardrail)
+                self.record(request_type, part, call.status or status, call.error_code or error_code, answer,
+                            document if n == 0 else None, body if n == 0 else None, guardrail)
             return
         answered = isinstance(result, (DecisionResult, ChatResult))
         usage = result.usage if answered else None
@@ -275,7 +290,8 @@ class Gateway:
                 latency_ms=round((time.perf_counter() - context.started) * 1000, 2), cache_hit=context.cache_hit,
                 estimated=estimated, guardrail=guardrail or _guardrail_summary(outcomes), outcomes=outcomes or None,
                 request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
-                response_body=redact(body, audit.redact_fields) if audit.log_bodies else None))
+                response_body=redact(body, audit.redact_fields) if audit.log_bodies else None,
+                charges=[c.row() for c in context.charges] or None))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
 
@@ -307,16 +323,19 @@ def _answered(tried: list[Target], usage: Usage, provider_format: str) -> tuple[
     return (target.provider.name, target.name), pricing.cost(target.price, usage, provider_format)
 
 
-def _cascaded(context: Context, steps: list[Step], questions: int) -> None:
-    """A cascade's calls (``gateway.cascade``) on the context: its cost (their sum, also when a later call failed),
-    the target of its last answer, ``x-decisiond-escalated`` and one ``Call`` per usage row."""
-    if not steps:
+def _cascaded(context: Context, steps: list[Step], questions: int, failed: list[Call]) -> None:
+    """A request's calls on the context, one ``Call`` per usage row: a cascade's (``gateway.cascade``), with its
+    ``x-decisiond-escalated``, and those answered but billed (``failed``). Its cost is their sum (also when a later
+    call failed) and its answer is the last call's that answered."""
+    if not steps and not failed:
         return
     context.calls = [Call([t.name for t in s.tried], _name(s.answered_by), s.result.usage if s.result else None,
-                          s.result.model if s.result else None, s.cost) for s in steps]
+                          s.result.model if s.result else None, s.cost) for s in steps] + failed
     context.cost = math.fsum(call.cost for call in context.calls)
-    context.answered_by = next((c.answered_by for c in reversed(context.calls) if c.answered_by), None)
-    context.response_headers[ESCALATED_HEADER] = f"{escalated(steps)} of {questions}"
+    context.answered_by = next((c.answered_by for c in reversed(context.calls) if c.answered_by and c.status is None),
+                               None)
+    if steps:
+        context.response_headers[ESCALATED_HEADER] = f"{escalated(steps)} of {questions}"
 
 
 def _name(target: Target | None) -> tuple[str, str] | None:

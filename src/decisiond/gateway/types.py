@@ -34,14 +34,42 @@ class Caller:
 
 @dataclass
 class Call:
-    """One upstream call of a request that makes several (a cascade's steps), for its own usage row: the targets it
-    tried, the one that answered (provider, name), its usage, the upstream model and its cost."""
+    """One upstream call of a request that makes several (a cascade's steps, an attempt billed although its answer
+    failed its check), for its own usage row: the targets it tried, the one that answered (provider, name), its
+    usage, the upstream model and its cost."""
 
     targets_tried: list[str]
     answered_by: tuple[str, str] | None = None
     usage: Usage | None = None
     model: str | None = None
     cost: float = 0.0
+    # A call that failed although the provider billed it (an answer that failed its check): its own status and
+    # error on its row, whatever became of the request.
+    status: int | None = None
+    error_code: str | None = None
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one request owes one budget window, settled by the usage writer in the transaction that inserts the
+    request's usage row (so exactly once, and also after a restart, from the journal): ``held`` nano-USD of the hold
+    ``hold_id`` are released (None: the request was admitted without a hold, the database being down) and
+    ``actual`` nano-USD are added to the window's spend."""
+
+    budget_id: str
+    window_start: int
+    hold_id: str | None
+    held: int
+    actual: int
+
+    def row(self) -> list[Any]:
+        return [self.budget_id, self.window_start, self.hold_id, self.held, self.actual]
+
+    @classmethod
+    def of(cls, row: Any) -> "Charge":
+        budget_id, window_start, hold_id, held, actual = row
+        return cls(str(budget_id), int(window_start), None if hold_id is None else str(hold_id), int(held),
+                   int(actual))
 
 
 @dataclass
@@ -75,6 +103,8 @@ class Context:
     deadline: float | None = None
     # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.
     request_headers: Mapping[str, str] = field(default_factory=dict)
+    # What the request owes its budgets, set by the budget stage as the request ends; carried by its usage record.
+    charges: list[Charge] = field(default_factory=list)
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

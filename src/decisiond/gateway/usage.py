@@ -54,6 +54,8 @@ class UsageRecord:
     outcomes: dict[str, str] | None = None
     request_body: Any = None
     response_body: Any = None
+    # Budget charges settled with this row (``types.Charge.row``); journaled with it, not a column.
+    charges: list[list[Any]] | None = None
 
     def row(self) -> dict[str, Any]:
         return {**asdict(self), "day": self.time.strftime("%Y-%m-%d")}

@@ -4,13 +4,17 @@ in batches by a background task, off the request path. An answered request alway
 ``UsageWriter.submit(record)`` never waits and never fails the request: the record gets a unique ``record_id`` and
 is appended to this process's journal. The background task seals the journal's open segment, inserts its records
 in batches of ``limits.USAGE_BATCH`` rows (one transaction a batch, ``INSERT … ON CONFLICT (record_id) DO
-NOTHING``), then deletes the segment. When the database cannot be reached, the segments wait on disk and the write is
-retried with a growing pause (up to ``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. At start, and
+NOTHING``), with the budget charges the inserted rows carry (``stages.budget.apply_charges``: a budget is settled
+exactly once per request, in the transaction that records it), then deletes the segment. When the database cannot
+be reached or is busy (locked, a lock or statement timeout, a serialization failure, a dropped connection:
+``store.db.transient``), the segments wait on disk and the write is retried whole with a growing pause (up to
+``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. At start, and
 every ``USAGE_ORPHAN_SCAN_S``, the journals of processes that died are written the same way (a replay inserts a
 record that is already in the database no second time).
 
 A bad record never blocks the others: values are fitted to the schema before the insert (``fit``), and a batch that
-still fails while the database answers is split until the record at fault is alone; it goes to the journal's
+still fails with an error of its data while the database answers is split until the record at fault is alone; only a
+record that fails alone on a healthy database goes to the journal's
 ``dead-letter.jsonl`` and is counted (``dead_letters``, the metric ``decisiond_usage_dead_letters_total``), and the
 rest go in. Only when the journal's disk refuses a record is it held in memory (at most ``USAGE_QUEUE_MAX``; beyond,
 it is dropped, counted in ``lost`` and logged). ``aclose()`` writes what is journaled (for up to
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import String, delete, text
+from sqlalchemy import String, delete
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..errors import one_line
@@ -39,13 +43,16 @@ from ..limits import (
     USAGE_CUT_MARKER,
     USAGE_FLUSH_TIMEOUT_S,
     USAGE_ORPHAN_SCAN_S,
+    USAGE_PING_TIMEOUT_S,
     USAGE_PURGE_INTERVAL_S,
     USAGE_QUEUE_MAX,
     USAGE_RETRY_MAX_S,
 )
-from ..store.db import Database
+from ..store.db import Database, transient
 from ..store.tables import UsageRow
 from .journal import Journal, read_segment
+from .stages.budget import apply_charges
+from .types import Charge
 from .usage import UsageRecord
 
 log = logging.getLogger("decisiond.usage")
@@ -102,6 +109,8 @@ class UsageWriter:
     lost: int = 0
     written: int = 0
     dead_letters: int = 0
+    # Times a write was put off because the database was down or busy (its records kept, retried later).
+    deferred: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _scan_at: float = 0.0
@@ -151,8 +160,10 @@ class UsageWriter:
                 if self._stop.is_set():
                     return
                 self._wake.clear()
+                # Until a record is submitted, or the next scan for dead processes' journals (none without one).
+                wait = None if self.journal is None else max(0.0, self._scan_at - time.monotonic())
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(0.0, self._scan_at - time.monotonic()))
+                    await asyncio.wait_for(self._wake.wait(), wait)
                 continue
             try:
                 await self._drain()
@@ -162,6 +173,7 @@ class UsageWriter:
             except Exception as error:
                 if self._stop.is_set():
                     raise
+                self.deferred += 1
                 log.warning("usage records not written yet: database unavailable; retrying",
                             extra={"retry_in_s": pause, "error": one_line(error)})
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -202,18 +214,26 @@ class UsageWriter:
             await self._insert(batch)
 
     async def _insert(self, rows: list[dict[str, Any]]) -> None:
-        """Insert ``rows`` in one transaction. When that fails while the database answers, the batch is split until
-        the record at fault is alone: it goes to the dead-letter file, the others go in."""
+        """Insert ``rows`` in one transaction, with the budget charges they carry (``stages.budget.apply_charges``:
+        of the rows inserted now only, so a replayed record is charged once). A failure of the database's state (it
+        is down, locked, busy, timed out: ``store.db.transient``) raises ``DatabaseDown`` and the batch is retried
+        whole later. Any other failure splits the batch until the record at fault is alone: it goes to the
+        dead-letter file, the others go in."""
         try:
             async with self.db.session() as session, session.begin():
-                await session.execute(_insert_ignoring(self.db.dialect), [fit(r) for r in rows])
+                inserted = await session.execute(_insert_ignoring(self.db.dialect).returning(UsageRow.record_id),
+                                                 [fit(r) for r in rows])
+                new = set(inserted.scalars())
+                charges = [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
+                if charges:
+                    await apply_charges(session, charges)
             self.written += len(rows)
             return
         except asyncio.CancelledError:
             raise
         except Exception as error:
             failure = error
-        if not await self._reachable():
+        if transient(failure) or not await self.db.reachable(USAGE_PING_TIMEOUT_S):
             raise DatabaseDown(one_line(failure)) from failure
         if len(rows) > 1:
             half = len(rows) // 2
@@ -226,16 +246,6 @@ class UsageWriter:
                          "error": one_line(failure)})
         if self.journal is not None:
             self.journal.dead_letter(rows[0], one_line(failure))
-
-    async def _reachable(self) -> bool:
-        try:
-            async with self.db.session() as session:
-                await session.execute(text("SELECT 1"))
-            return True
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            return False
 
     async def aclose(self) -> None:
         """Write what is journaled (retrying until USAGE_FLUSH_TIMEOUT_S), then stop. What the database did not

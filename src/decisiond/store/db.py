@@ -6,13 +6,16 @@ driver (aiosqlite, asyncpg). The default is a SQLite file in the user data dir, 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import text
 from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -64,6 +67,32 @@ def database_url(url: str | None) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+# SQLSTATE classes of a database's state rather than of a statement: connection exceptions (08), transaction
+# rollbacks (40: serialization failures, deadlocks), insufficient resources (53), operator intervention (57:
+# statement timeouts, shutdowns), system errors (58); and lock_not_available (55P03), object_in_use (55006).
+_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+_TRANSIENT_STATES = frozenset({"55P03", "55006"})
+
+
+def transient(error: BaseException) -> bool:
+    """Whether ``error`` comes from the database's state (unreachable, busy, locked, a lock or statement timeout, a
+    serialization failure, a dropped connection) and the same statement may well succeed when retried — as
+    opposed to an error of the statement or its data (a constraint, a value out of range), which will fail again.
+    """
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
+        return True
+    if not isinstance(error, DBAPIError):
+        return False
+    if error.connection_invalidated:
+        return True
+    state = getattr(error.orig, "sqlstate", None) or getattr(error.orig, "pgcode", None)
+    if isinstance(state, str) and state:
+        return state[:2] in _TRANSIENT_CLASSES or state in _TRANSIENT_STATES
+    # SQLite (no SQLSTATE): OperationalError is "database is locked", "database table is locked", "disk I/O error",
+    # "unable to open database file"; an InterfaceError a closed connection.
+    return isinstance(error, (OperationalError, InterfaceError))
+
+
 def _upgrade(connection: Connection) -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
@@ -89,6 +118,21 @@ class Database:
         async with engine.begin() as conn:
             await conn.run_sync(_upgrade)
         return db
+
+    async def reachable(self, timeout: float) -> bool:
+        """Whether the database answers ``SELECT 1`` within ``timeout`` seconds (a locked SQLite file or a busy
+        table still answers it: that database is up)."""
+        async def ping() -> None:
+            async with self.session() as session:
+                await session.execute(text("SELECT 1"))
+
+        try:
+            await asyncio.wait_for(ping(), timeout)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
 
     @property
     def dialect(self) -> str:

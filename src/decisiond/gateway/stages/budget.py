@@ -16,22 +16,25 @@ UPDATE per budget, in one transaction::
 then a row in ``budget_reservations``. 0 rows updated means the budget has no room: the transaction is rolled back
 and the request refused with 402 ``budget_exceeded`` before any provider is called. PostgreSQL re-checks the WHERE
 clause on the row a concurrent transaction just committed; SQLite serialises writers — so of N concurrent requests
-only those that fit pass, on one replica or many. After the call the reservation is *settled*: its row deleted,
-the reservation released and the real cost (0 for a failed request) added to ``spent``. Amounts are integers in
-nano-USD, so they add up exactly.
+only those that fit pass, on one replica or many. When the request ends, its charges (``types.Charge``: each reservation
+to release, the real cost to add: its answer's price, what a stream relayed, an answer billed although it failed its
+check; 0 for a failure) ride on its usage record: the usage writer applies them (``apply_charges``) in the
+transaction that inserts the row, so each request is settled exactly once, from the journal after a crash too.
+Amounts are integers in nano-USD, so they add up exactly.
 
-The guarantee: since no request costs more than it reserved, concurrent requests on any number of replicas never
-take a budget past its limit — by at most what one request's real cost exceeds its reservation, which only an
-upstream billing past what its request allowed can do.
+The guarantee: spend never passes a limit by more than the sum, over the requests in flight together, of what each
+was billed above its reservation — nothing while upstreams bill within what their requests allowed.
 
-A reservation that is never settled (its replica was killed, or the database was down when the request ended)
-would hold its room for ever; each is a row with its time, and one older than ``budget_reservation_ttl_s`` is
-released (deleted with ``RETURNING``, so by exactly one replica) by the next request that reserves on that budget.
-A settle that finds its row already released adds only the cost.
+A reservation that is never settled (its replica was killed before the request's record was journaled) would hold
+its room for ever; each is a row with its time, and one older than ``budget_reservation_ttl_s`` is released
+(deleted with ``RETURNING``, so by exactly one replica) by the next request that reserves on that budget. A
+settlement that finds its reservation already released adds only the cost.
 
-While the database cannot be reached, ``budgets_when_database_down`` decides: ``admit`` (default) lets requests
-through unchecked — logged, their outcome ``unchecked: database unavailable``, their usage rows kept until the
-database is back — or ``refuse`` answers 503.
+The stage decides or refuses: a reservation not made within ``BUDGET_DB_TIMEOUT_S`` or any other failure to decide
+is 503 ``budget_unavailable`` (a reservation that commits after its request gave up is released at once). Only for
+a database that is really down (``store.db.transient`` and no answer to ``SELECT 1``) does
+``budgets_when_database_down`` apply: ``admit`` (default) lets the request through unchecked — logged, its outcome
+``unchecked: database unavailable`` — and charges it when the database is back; ``refuse`` answers 503.
 """
 
 from __future__ import annotations
@@ -43,22 +46,22 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from ...canonical import DecisionRequest, Usage
-from ...errors import BudgetExceeded, DecisionError, Unavailable
+from ...errors import BudgetExceeded, DecisionError, Unavailable, one_line
 from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S, BUDGET_RESERVATION_TTL_S
-from ...store.db import Database
+from ...store.db import Database, transient
 from ...store.tables import Budget, BudgetReservation, BudgetWindow
 from .. import pricing
 from ..router import Router
 from ..settings import BudgetConfig, in_subtree
 from ..sizes import max_input_tokens, max_output_tokens
-from ..types import Caller, Context, Next
+from ..types import Caller, Charge, Context, Next
 
 log = logging.getLogger("decisiond.budgets")
 
@@ -146,8 +149,22 @@ def _view(b: Budget) -> BudgetView:
 
 @dataclass
 class Reservation:
-    # (reservation id, budget id, window start, reserved nano-USD)
-    held: list[tuple[str, str, int, int]] = field(default_factory=list)
+    """What one request holds on its budgets: one hold per budget window (``hold_id`` None for a request admitted
+    unchecked while the database was down: it holds nothing, and is charged all the same)."""
+
+    holds: list[Hold] = field(default_factory=list)
+
+    def charges(self, actual: int) -> list[Charge]:
+        """What the request owes once it cost ``actual`` nano-USD: each hold released, ``actual`` spent in each."""
+        return [Charge(h.budget_id, h.window_start, h.id, h.amount, actual) for h in self.holds]
+
+
+@dataclass(frozen=True)
+class Hold:
+    id: str | None
+    budget_id: str
+    window_start: int
+    amount: int
 
 
 class BudgetStore:
@@ -157,6 +174,7 @@ class BudgetStore:
         self.db = db
         self.reservation_ttl_ms = int(reservation_ttl_s * 1000)
         self._cache: tuple[float, list[BudgetView]] | None = None
+        self._late: set[asyncio.Task[None]] = set()
 
     async def budgets(self) -> list[BudgetView]:
         now = time.monotonic()
@@ -202,17 +220,20 @@ class BudgetStore:
         """Each budget's public view with its current window's spend, and its reservations in flight (how many, and
         the age of the oldest)."""
         out = []
-        r = BudgetReservation
+        r, w = BudgetReservation, BudgetWindow
         now = time.time() if now is None else now
         async with self.db.session() as session:
             for b in budgets:
                 start, _ = b.window(now)
-                row = await session.get(BudgetWindow, (b.id, start))
-                held = (await session.execute(select(func.count(), func.min(r.created_ms)).where(
-                    r.budget_id == b.id, r.window_start == start))).one()
-                view = b.public(row.spent if row else 0, row.reserved if row else 0, now)
-                view["reservations"] = int(held[0])
-                view["oldest_reservation_age_s"] = round(max(0.0, now - held[1] / 1000), 3) if held[1] else None
+                # One statement, so one snapshot: the window's sums and its holds as one commit left them.
+                holds = select(func.count(), func.min(r.created_ms)).where(r.budget_id == b.id,
+                                                                          r.window_start == start).subquery()
+                spent = select(w.spent).where(w.budget_id == b.id, w.window_start == start).scalar_subquery()
+                reserved = select(w.reserved).where(w.budget_id == b.id, w.window_start == start).scalar_subquery()
+                row = (await session.execute(select(spent, reserved, *holds.c))).one()
+                view = b.public(row[0] or 0, row[1] or 0, now)
+                view["reservations"] = int(row[2])
+                view["oldest_reservation_age_s"] = round(max(0.0, now - row[3] / 1000), 3) if row[3] else None
                 out.append(view)
         return out
 
@@ -243,8 +264,41 @@ class BudgetStore:
                 ident = uuid.uuid4().hex
                 session.add(BudgetReservation(id=ident, budget_id=b.id, window_start=start, amount=amount,
                                               created_ms=int(now * 1000)))
-                reservation.held.append((ident, b.id, start, amount))
+                reservation.holds.append(Hold(ident, b.id, start, amount))
         return reservation
+
+    async def reserve_within(self, budgets: list[BudgetView], amount: int, timeout: float) -> Reservation:
+        """``reserve``, given up after ``timeout`` seconds (``TimeoutError``) or when the caller is cancelled. The
+        transaction is not cancelled with it — it may already be committing — so a reservation that commits after
+        its caller has gone is released by this store as soon as it exists."""
+        task = asyncio.ensure_future(self.reserve(budgets, amount))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_late)
+            raise
+        if task not in done:
+            task.add_done_callback(self._release_late)
+            raise TimeoutError(f"no budget reservation within {timeout:g} s")
+        return task.result()
+
+    def _release_late(self, task: asyncio.Future[Reservation]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        release = asyncio.ensure_future(self.release(task.result()))
+        self._late.add(release)
+        release.add_done_callback(self._late.discard)
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give back a reservation whose request never ran (its holds deleted, their room freed)."""
+        try:
+            async with self.db.session() as session, session.begin():
+                await apply_charges(session, reservation.charges(0))
+            log.warning("a budget reservation committed after its request had given up on it: released",
+                        extra={"holds": len(reservation.holds)})
+        except Exception as error:
+            log.error("a late budget reservation could not be released; it is released after its time to live",
+                      extra={"error": one_line(error)})
 
     async def _release_expired(self, session: Any, budget: str, now_ms: int) -> None:
         """Release this budget's reservations older than their time to live (each by exactly one transaction: the
@@ -265,18 +319,30 @@ class BudgetStore:
             await session.execute(update(w).where(w.budget_id == budget, w.window_start == start)
                                   .values(reserved=w.reserved - amount))
 
-    async def settle(self, reservation: Reservation, actual: int) -> None:
-        """Release the reservations (those not released already for their age) and add the real cost to every
-        budget reserved."""
-        if not reservation.held:
-            return
-        w, r = BudgetWindow, BudgetReservation
-        async with self.db.session() as session, session.begin():
-            for ident, budget, start, held in reservation.held:
-                removed = await session.execute(delete(r).where(r.id == ident))
-                release = held if getattr(removed, "rowcount", 0) == 1 else 0
-                await session.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
-                    reserved=w.reserved - release, spent=w.spent + actual))
+
+async def apply_charges(session: Any, charges: Iterable[Charge]) -> None:
+    """Settle ``charges`` in ``session``'s transaction (the usage writer's, as it inserts their usage rows): each
+    hold still held is released (a hold already released for its age frees nothing twice), and the actual costs are
+    added to their windows' spend — one UPDATE per window, whatever the number of charges."""
+    w, r = BudgetWindow, BudgetReservation
+    released: dict[tuple[str, int], int] = {}
+    spent: dict[tuple[str, int], int] = {}
+    for c in charges:
+        window = (c.budget_id, c.window_start)
+        spent[window] = spent.get(window, 0) + c.actual
+        if c.hold_id is not None:
+            removed = await session.execute(delete(r).where(r.id == c.hold_id))
+            if getattr(removed, "rowcount", 0) == 1:
+                released[window] = released.get(window, 0) + c.held
+    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+    for (budget, start), amount in sorted(spent.items()):  # one lock order across writers
+        free = released.get((budget, start), 0)
+        if not amount and not free:
+            continue
+        await session.execute(insert(BudgetWindow).values(budget_id=budget, window_start=start, spent=0,
+                                                          reserved=0).on_conflict_do_nothing())
+        await session.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
+            reserved=w.reserved - free, spent=w.spent + amount))
 
 
 def budget_exceeded(b: BudgetView, spent: int, reserved: int, amount: int, resets_in: int) -> DecisionError:
@@ -327,31 +393,37 @@ class BudgetStage:
             if not budgets:
                 return await call_next(context, request)
             amount = await self.worst_case(context, request)
-            reservation = await asyncio.wait_for(store.reserve(budgets, amount), BUDGET_DB_TIMEOUT_S)
+        except DecisionError:
+            raise
+        except Exception as error:  # no budget list, or no worst case (a tokenizer's error): nothing to decide on
+            raise self._undecided(context, error, "budgets cannot be checked") from None
+        try:
+            reservation = await store.reserve_within(budgets, amount, BUDGET_DB_TIMEOUT_S)
         except DecisionError:
             raise
         except Exception as error:
-            log.warning("budgets not checked: the database is unavailable",
-                        extra={"request_id": context.request_id, "error": f"{type(error).__name__}: {error}"[:300],
-                               "when_down": self.when_down})
-            if self.when_down == "refuse":
-                raise Unavailable("Budgets cannot be checked: the database is unavailable. Retry shortly.",
-                                  code="budget_unavailable", headers={"retry-after": "5"}) from None
-            context.outcomes[self.name] = "unchecked: database unavailable"
-            return await call_next(context, request)
+            if self.when_down == "refuse" or not await _down(store, error):
+                raise self._undecided(context, error, "budgets not reserved") from None
+            log.warning("budgets not checked: the database is unavailable; the request is charged when it returns",
+                        extra={"request_id": context.request_id, "error": one_line(error)[:300]})
+            context.outcomes[self.name] = "unchecked: database unavailable (charged when it returns)"
+            reservation = Reservation([Hold(None, b.id, b.window()[0], 0) for b in budgets])
         try:
             return await call_next(context, request)
         finally:
-            # What it cost: its answer's price, what a stream relayed before its client left, 0 for a failure.
-            # Shielded: a client that leaves while its request settles must not cancel the settlement.
-            actual = to_nano(context.cost or 0.0)
-            await asyncio.shield(self._settle(store, reservation, actual, context.request_id))
+            # What it cost (its answer's price, what a stream relayed before its client left, an answer that
+            # failed its check; 0 for a failure), settled with its usage row by the usage writer.
+            context.charges = reservation.charges(to_nano(context.cost or 0.0))
 
-    @staticmethod
-    async def _settle(store: BudgetStore, reservation: Reservation, actual: int, request_id: str) -> None:
-        try:
-            await asyncio.wait_for(store.settle(reservation, actual), BUDGET_DB_TIMEOUT_S)
-        except Exception as error:
-            log.error("budget not settled: the database is unavailable; the reservation is released after its time "
-                      "to live", extra={"request_id": request_id, "cost_nanousd": actual,
-                                        "error": f"{type(error).__name__}: {error}"[:300]})
+    def _undecided(self, context: Context, error: Exception, what: str) -> DecisionError:
+        """503 for a budget stage that could not decide: never admitted unchecked, never admitted for free."""
+        log.warning(f"{what}: the request is refused", extra={
+            "request_id": context.request_id, "error": one_line(error)[:300], "when_down": self.when_down})
+        return Unavailable("Budgets cannot be checked right now. Retry shortly.", code="budget_unavailable",
+                           headers={"retry-after": "5"})
+
+
+async def _down(store: BudgetStore, error: Exception) -> bool:
+    """Whether ``error`` is the database being down (a connection that fails, a ``SELECT 1`` unanswered), as
+    opposed to a database that answers but was too slow or refused this transaction."""
+    return transient(error) and not await store.db.reachable(BUDGET_DB_TIMEOUT_S)

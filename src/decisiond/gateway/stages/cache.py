@@ -265,9 +265,10 @@ class CacheStage:
         self.guardrails = guardrails
 
     def enabled_for(self, name: str, target: Target) -> bool:
-        """``cache`` on the virtual model, the model, the provider: any false wins, then any true; else local."""
-        virtual = self.router.virtual.get(name)
-        settings = (virtual.cache if virtual is not None else None, target.cache, target.provider.config.cache)
+        """``cache`` on every virtual model the request passes through (``Catalog.policy_names``), the model, the
+        provider: any false wins, then any true; else the provider's default."""
+        virtual = [self.router.virtual[n].cache for n in self.router.policy_names(name) if n in self.router.virtual]
+        settings = (*virtual, target.cache, target.provider.config.cache)
         if False in settings:
             return False
         return True in settings or target.provider.cached_by_default
