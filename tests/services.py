@@ -1,21 +1,16 @@
-"""Real backing services for the tests, started on free loopback ports: ``redis-server`` and a PostgreSQL
-server (``initdb``/``pg_ctl`` in a temp dir, as the ``postgres`` user when running as root, since PostgreSQL
-refuses to run as root). Where one cannot be started, the test is skipped on a developer's machine and fails
-under ``CI=true``: CI installs both (``.ci/run``)."""
+"""Real backing services for the tests, started on free loopback ports by ``decisiond.bench.services``:
+``redis-server`` and a PostgreSQL server (``initdb``/``pg_ctl`` in a temp dir, as the ``postgres`` user when
+running as root, since PostgreSQL refuses to run as root). Where one cannot be started, the test is skipped on a
+developer's machine and fails under ``CI=true``: CI installs both (``.ci/run``)."""
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import subprocess
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from servers import free_port
+
+from decisiond.bench import services
+from decisiond.bench.services import Postgres, Redis
 
 
 def unavailable(message: str) -> None:
@@ -24,110 +19,17 @@ def unavailable(message: str) -> None:
     pytest.skip(message)
 
 
-# ------------------------------------------------------------------------------------------------ redis
-
-
-@dataclass
-class Redis:
-    port: int
-    process: subprocess.Popen
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 def start_redis() -> Redis:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        unavailable("redis-server is not installed (Debian package redis-server)")
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--protected-mode", "no"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if client.ping():
-                client.close()
-                return Redis(port, process)
-        except redis.RedisError:
-            time.sleep(0.1)
-    process.kill()
-    unavailable("redis-server did not start")
-    raise AssertionError("unreachable")
-
-
-# ------------------------------------------------------------------------------------------- postgresql
-
-
-def _pg_bin() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).parent if initdb else None
-
-
-@dataclass
-class Postgres:
-    bin: Path
-    data: Path
-    port: int
-    as_user: list[str]
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), *args],
-                              capture_output=True, text=True, check=check, timeout=120)
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        self._ctl("-o", options, "-l", str(self.data / "server.log"), "-w", "start")
-
-    def stop(self) -> None:
-        self._ctl("-m", "fast", "-w", "stop", check=False)
-
-    def remove(self) -> None:
-        self.stop()
-        shutil.rmtree(self.data.parent, ignore_errors=True)
+    try:
+        return services.start_redis()
+    except services.Unavailable as error:
+        unavailable(str(error))
+        raise
 
 
 def start_postgres() -> Postgres:
-    pg_bin = _pg_bin()
-    if pg_bin is None:
-        unavailable("PostgreSQL is not installed (Debian package postgresql)")
-    root = Path(tempfile.mkdtemp(prefix="decisiond-pg-"))
-    data = root / "data"
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        runuser = shutil.which("runuser")
-        if runuser is None:
-            unavailable("running as root and runuser is missing: cannot start PostgreSQL as 'postgres'")
-        as_user = [runuser, "-u", "postgres", "--"]
-        os.chmod(root, 0o755)
-        shutil.chown(root, "postgres", "postgres")
-    init = subprocess.run([*as_user, str(pg_bin / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                           "-E", "UTF8", "--no-sync"], capture_output=True, text=True, timeout=120)
-    if init.returncode != 0:
-        unavailable(f"initdb failed: {init.stderr[-500:]}")
-    server = Postgres(pg_bin, data, free_port(), as_user)
     try:
-        server.start()
-    except subprocess.CalledProcessError as e:
-        unavailable(f"PostgreSQL did not start: {e.stderr[-500:]}")
-    return server
+        return services.start_postgres()
+    except services.Unavailable as error:
+        unavailable(str(error))
+        raise

@@ -291,13 +291,15 @@ def test_an_answer_that_fails_its_check_is_still_charged_and_recorded(single, up
 def test_a_reservation_that_cannot_be_made_in_time_is_refused_not_admitted_free(ups, tmp_path):
     """Another connection holds the SQLite write lock (a slow database's stand-in): the reservation cannot commit
     within its time, so the request is refused with 503 — the upstream is never called, nothing is admitted
-    unchecked. Once the lock goes, nothing is left held: a reservation that commits after its request gave up on it
-    is released by the replica that made it."""
+    unchecked. Once the lock goes, nothing is left held: room granted after its request gave up on it stays with the
+    replica that asked, which gives it back."""
     database = tmp_path / "locked.sqlite3"
     server = start(tmp_path, f"sqlite:///{database}", ups)
     try:
         key = new_key(server)
-        ident = put_budget(server, key=key["id"], limit_usd=20)
+        # $4: room for three $1.073 worst cases, never for a lease of two (a lease takes at most a quarter of what
+        # is free beyond the request's own): every chat takes its room from the database.
+        ident = put_budget(server, key=key["id"], limit_usd=4)
         assert chat(server, key["key"], stream=False) == 200
         calls = len(ups["CHAT"].seen)
         lock = sqlite3.connect(database, isolation_level=None)
@@ -321,14 +323,15 @@ def test_a_reservation_that_cannot_be_made_in_time_is_refused_not_admitted_free(
 def test_requests_admitted_while_the_database_is_down_are_charged_when_it_returns(ups, tmp_path):
     """PostgreSQL stops: with ``budgets_when_database_down: admit`` (the default) requests under a budget are let
     through unchecked — and charged, once the database is back, from the usage journal: admitted means charged later,
-    never free."""
+    never free. (Each request's worst case is $0.084, 84 tokens at most; a $0.25 budget has room for it, one at a time,
+    but never for a lease of two: each request while the database is down needs the database.)"""
     postgres = start_postgres()
     path = tmp_path / "gateway.yaml"
     path.write_text(config(postgres.url).replace(
         'auth:\n  master_key: "${TEST_MASTER}"',
         'auth:\n  master_key: "${TEST_MASTER}"\n  keys: [{name: alice, key: alice-static-key-0123456789}]') + """
 budgets:
-  - {key: "static:alice", limit_usd: 100, period: daily}
+  - {key: "static:alice", limit_usd: 0.25, period: daily}
 """)
     server = start_decisiond("--config", str(path), env={"TEST_MASTER": MASTER, "CHAT": ups["CHAT"].url,
                                                          "COUNTING": ups["COUNTING"].url, "LYING": ups["LYING"].url})
@@ -343,11 +346,12 @@ budgets:
 
     try:
         assert [ask() for _ in range(3)] == [200] * 3
+        (ident,) = [b["id"] for b in httpx.get(server.url + "/admin/budgets", headers=ADMIN).json()["data"]]
+        assert settled(server, ident)["spent_usd"] == pytest.approx(3 * 0.03)
         postgres.stop()
         assert [ask() for _ in range(3)] == [200] * 3  # admitted unchecked
         assert "budgets not checked: the database is unavailable" in server.log()
         postgres.start()
-        (ident,) = [b["id"] for b in httpx.get(server.url + "/admin/budgets", headers=ADMIN).json()["data"]]
         deadline = time.monotonic() + 60
         while (view := budget(server, ident))["spent_usd"] < 0.18 - 1e-9 and time.monotonic() < deadline:
             time.sleep(0.2)

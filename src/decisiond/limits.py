@@ -79,6 +79,9 @@ REQUEST_TEMPLATE_MAX_OUTPUT = 1024 * 1024
 # USAGE_FLUSH_TIMEOUT_S (what is left stays in the journal); retention is enforced every USAGE_PURGE_INTERVAL_S.
 USAGE_QUEUE_MAX = 100_000
 USAGE_BATCH = 500
+# The writer writes at most once every USAGE_GATHER_S (a record that comes to an idle writer is written at once), so
+# that a busy moment's records (and the budget charges they carry) go in one transaction, not one each.
+USAGE_GATHER_S = 0.2
 USAGE_RETRY_MAX_S = 5.0
 USAGE_FLUSH_TIMEOUT_S = 15.0
 USAGE_PURGE_INTERVAL_S = 3600.0
@@ -95,6 +98,12 @@ DATABASE_CONNECT_TIMEOUT_S = 10.0
 # reservation waits at most BUDGET_DB_TIMEOUT_S for the database (then 503; settlements ride on usage rows).
 BUDGET_CACHE_S = 2.0
 BUDGET_DB_TIMEOUT_S = 3.0
+# Budget leases (``gateway.stages.budget_leases``): a process takes room of a budget for up to this many of a
+# request's worst case at once (a quarter of the free room at most), gives back room unused for LEASE_IDLE_S, and
+# renews its live leases every LEASE_RENEW_S (a third of budget_reservation_ttl_s at most).
+LEASE_CHUNK_REQUESTS = 64
+LEASE_IDLE_S = 0.5
+LEASE_RENEW_S = 60.0
 # GET /admin/audit: rows per page at most.
 AUDIT_PAGE_MAX = 1000
 # The response cache (``gateway.stages.cache``): seconds an entry lives (in memory and in Redis), and the bytes of

@@ -119,9 +119,8 @@ def load_config(args: argparse.Namespace) -> GatewayConfig | None:
 def build_router(args: argparse.Namespace, config: GatewayConfig | None = None) -> Router:
     """With a config: the gateway it describes (local providers load their models); without: the local engine
     alone."""
-    # Lazy: the gateway and decisiond.engine (torch) (start-up time).
-    from ..engine import model as model_mod
-    from ..engine.local import LocalEngine
+    # Lazy: the gateway (start-up time); decisiond.engine (torch) only where a model runs here, so that a
+    # gateway-only server neither imports nor holds it.
     from ..gateway.router import Router
 
     if config is None:
@@ -129,6 +128,9 @@ def build_router(args: argparse.Namespace, config: GatewayConfig | None = None) 
     engines = {}
     for provider in config.providers:
         if provider.type == "local":
+            from ..engine import model as model_mod
+            from ..engine.local import LocalEngine
+
             loaded = model_mod.load(provider.model or "default", dtype=provider.dtype, device=args.device,
                                     served_name=provider.served_model_name)
             engines[provider.name] = LocalEngine(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,13 +75,22 @@ def register_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                             "for the model)")
     bench.add_argument("--tickets", type=int, default=200, help="support tickets per workload (default 200)")
     bench.add_argument("--questions", default="3,10", help="question-set sizes to run (default 3,10)")
-    bench.add_argument("--clients", default="1,4,16", help="concurrent HTTP clients per phase (default 1,4,16)")
+    bench.add_argument("--clients", default=None,
+                       help="concurrent HTTP clients per phase (default 1,4,16; with --gateway 1,10,64)")
     bench.add_argument("--naive-tickets", type=int, default=None, help="run the naive loop on the first N tickets only")
     bench.add_argument("--long-documents", type=int, default=0,
                        help="also run N documents of ~2,000 tokens (5 questions each, then asked again; default 0)")
     bench.add_argument("--fairness", type=int, default=0, metavar="BLOCKS",
                        help="also time tiny requests alone and with a 50-question long-document request in flight, "
                             "in BLOCKS alternating blocks of 20 (default 0: skip)")
+    bench.add_argument("--gateway", action="store_true",
+                       help="instead: what the gateway adds in front of a mock upstream (keyless, keyed on SQLite, "
+                            "keyed on PostgreSQL + Redis where installed) and whether a budget holds under load")
+    bench.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                       help="--gateway: serve --workers for every configuration (default: the CPUs)")
+    bench.add_argument("--seconds", type=float, default=8, help="--gateway: seconds of each load run (default 8)")
+    bench.add_argument("--rounds", type=int, default=2, help="--gateway: interleaved rounds (default 2)")
+    bench.add_argument("--no-postgres", action="store_true", help="--gateway: skip PostgreSQL + Redis")
     bench.add_argument("--out", default=None, help="write the markdown report here")
     bench.add_argument("--json", default=None, help="write the raw numbers here")
     bench.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
@@ -187,6 +197,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The side-by-side benchmark; writes markdown (and JSON) reports."""
+    if args.gateway:
+        return _bench_gateway(args)
     # Lazy: the benchmark imports torch (start-up time).
     from ..bench import runner
     from ..engine.model import ModelNotFound
@@ -194,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         report = runner.run(model=args.model, tickets=args.tickets,
                             question_sets=tuple(int(x) for x in args.questions.split(",") if x),
-                            clients=tuple(int(x) for x in args.clients.split(",")),
+                            clients=tuple(int(x) for x in (args.clients or "1,4,16").split(",")),
                             naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
                             fairness_blocks=args.fairness, device=args.device, prefix_cache_mb=args.prefix_cache_mb,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -207,4 +219,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         open(args.out, "w").write(text)
     if args.json:
         open(args.json, "w").write(runner.to_json(report))
+    return 0
+
+
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from ..bench import gateway
+
+    if args.workers < 1 or args.rounds < 1 or args.seconds < 1:
+        return refuse("--workers and --rounds must be 1 or more, --seconds at least 1")
+    try:
+        clients = [int(x) for x in (args.clients or "1,10,64").split(",")]
+    except ValueError:
+        return refuse(f"--clients: {args.clients!r} is not a comma-separated list of numbers")
+    report = gateway.run(workers=args.workers, seconds=args.seconds, rounds=args.rounds, clients=clients,
+                         postgres=not args.no_postgres, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench --gateway"
+    text = gateway.markdown(report, args.command_line or command)
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text)
+    if args.json:
+        open(args.json, "w").write(json.dumps(report, indent=2))
     return 0

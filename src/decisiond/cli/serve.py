@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import socket
 from typing import TYPE_CHECKING, Any
 
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
@@ -21,6 +23,7 @@ from .common import (
 
 if TYPE_CHECKING:
     from ..gateway.service import Gateway
+    from ..gateway.settings import GatewayConfig
 
 # uvicorn's exit code for a server that could not start (its port taken, its lifespan failed).
 STARTUP_FAILURE = 3
@@ -39,6 +42,9 @@ def register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                             f"(default {BODY_READ_TIMEOUT_S:g})")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="serve a non-loopback host although no API key is configured")
+    serve.add_argument("--workers", type=int, default=1, metavar="N",
+                       help="server processes on the one port (default 1): a gateway uses N cores; each worker loads "
+                            "its own copy of a local model")
     add_scheduling_args(serve)
     add_quality_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -67,11 +73,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if unauthenticated and not is_loopback(args.host) and not args.allow_unauthenticated:
         return refuse(f"refusing to serve {args.host} without an API key: set auth.master_key in the config or "
                       "DECISIOND_MASTER_KEY, or pass --allow-unauthenticated")
+    if args.workers < 1:
+        return refuse(f"--workers must be 1 or more, not {args.workers}")
+    if args.workers == 1:
+        return _serve_one(args, config)
     # Imported only once the configuration is known to be servable: a refusal above answers at once.
+    import uvicorn
+
+    from ..gateway.service import prepare
+    from .workers import serve_workers
+
+    try:
+        asyncio.run(prepare(config or GatewayConfig()))  # migrations and the config's budgets, once
+    except ConfigError as error:
+        return refuse(error)
+    sock = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()  # type: ignore[arg-type]
+    return serve_workers(args.workers, sock, lambda shared, index: _serve_one(args, config, shared,
+                                                                              (index, args.workers)))
+
+
+def _serve_one(args: argparse.Namespace, config: GatewayConfig | None, sock: socket.socket | None = None,
+               worker: tuple[int, int] = (0, 1)) -> int:
+    """One server process: the router (local models loaded), the gateway and uvicorn, on ``sock`` when given (a
+    worker of ``--workers``), else on ``--host``/``--port``."""
     import uvicorn
 
     from ..engine.calibration import ProfileError
     from ..engine.model import ModelNotFound
+    from ..gateway.config import ConfigError
+    from ..gateway.service import Gateway
     from ..server.app import Settings, create_app
 
     try:
@@ -81,17 +111,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return refuse(error)
     settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout, host=args.host)
     try:
-        gateway = Gateway(router, config)
+        gateway = Gateway(router, config, worker)
     except ConfigError as error:
         return refuse(error)
     app = create_app(router, settings, gateway)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                                            timeout_keep_alive=60))
     with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
-        return runner.run(_serve(server, gateway, args))
+        return runner.run(_serve(server, gateway, args, sock))
 
 
-async def _serve(server: Any, gateway: Gateway, args: argparse.Namespace) -> int:
+async def _serve(server: Any, gateway: Gateway, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """Start the gateway (database, usage journal) before serving, in the loop that serves: a setting that cannot
     work is refused with one line and exit 2, not a traceback from the app's start-up."""
     from ..gateway.config import ConfigError
@@ -101,9 +131,14 @@ async def _serve(server: Any, gateway: Gateway, args: argparse.Namespace) -> int
     except ConfigError as error:
         await gateway.aclose()
         return refuse(error)
+    # What start-up made (modules, the config, a model's weights' wrappers) lives as long as the process: frozen out
+    # of the collector, so that a full collection walks only what requests made (else it walks every module
+    # object, and its pauses are a request's p99).
+    gc.collect()
+    gc.freeze()
     log.info("serving", extra={"host": args.host, "port": args.port})
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         await gateway.aclose()  # (the app's lifespan closed it already, unless the server never started)
     return 0 if server.started else STARTUP_FAILURE

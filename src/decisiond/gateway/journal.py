@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy.engine import make_url
 
 from ..store.db import data_directory, sqlite_file
@@ -62,15 +63,22 @@ def _encode(value: Any) -> Any:
 
 
 def encode_row(row: dict[str, Any]) -> bytes:
-    """One record as one line (``time`` as ISO 8601; anything JSON cannot hold as its text)."""
-    return (json.dumps(row, default=_encode, ensure_ascii=False, separators=(",", ":")) + "\n").encode(
-        "utf-8", "surrogatepass")
+    """One record as one line (``time`` as ISO 8601; anything JSON cannot hold as its text). A lone surrogate (from
+    an upstream's JSON) is kept as such (``surrogatepass``)."""
+    try:
+        return orjson.dumps(row, default=_encode, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # a lone surrogate, which orjson refuses
+        return (json.dumps(row, default=_encode, ensure_ascii=False, separators=(",", ":")) + "\n").encode(
+            "utf-8", "surrogatepass")
 
 
 def decode_row(line: bytes) -> dict[str, Any] | None:
     """A journaled record, or None for a line that is not one (the torn last line of a killed process)."""
     try:
-        row = json.loads(line.decode("utf-8", "surrogatepass"))
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:  # a lone surrogate written with surrogatepass, or a torn line
+            row = json.loads(line.decode("utf-8", "surrogatepass"))
         if not isinstance(row, dict) or not isinstance(row.get("record_id"), str):
             return None
         row["time"] = datetime.fromisoformat(row["time"])

@@ -34,7 +34,9 @@ from .settings import GatewayConfig, GuardrailConfig, check_redis_url
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
 from .stages.auth import Authenticator
-from .stages.budget import BudgetStage, BudgetStore
+from .stages.budget import BudgetStage
+from .stages.budget_leases import LeaseBook
+from .stages.budget_ledger import BudgetStore
 from .stages.cache import CacheStage, ResponseCache
 from .stages.guardrails import GuardrailSet, GuardrailStage, judge_question
 from .stages.ratelimit import RateLimiter, RateLimitStage
@@ -62,7 +64,9 @@ def _setting(value: str | None, name: str, env: str) -> tuple[str | None, str]:
 
 
 class Gateway:
-    def __init__(self, router: Router, config: GatewayConfig | None = None):
+    def __init__(self, router: Router, config: GatewayConfig | None = None, worker: tuple[int, int] = (0, 1)):
+        """``worker``: (this process's index, the number of processes) of a server run as several processes
+        (``serve --workers``): what they count in memory, rate limits without Redis, each counts its part of."""
         config = config or GatewayConfig()
         self.router = router
         self.master_key = config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or None
@@ -77,7 +81,7 @@ class Gateway:
             redis_url, config.rate_limits,
             models={m.name: m.rate_limits for m in config.models if m.rate_limits is not None},
             providers={p.name: p.rate_limits for p in config.providers if p.rate_limits is not None},
-            slot_ttl_s=config.concurrency_slot_ttl_s)
+            slot_ttl_s=config.concurrency_slot_ttl_s, share=worker)
         self.config = config
         self.db: Database | None = None
         self.keys: KeyStore | None = None
@@ -86,6 +90,7 @@ class Gateway:
             by_model={**{m.name: m.guardrails for m in config.models if m.guardrails},
                       **{v.name: v.guardrails for v in config.virtual_models if v.guardrails}})
         self.budgets: BudgetStore | None = None
+        self.leases: LeaseBook | None = None
         self.usage: UsageWriter | None = None
         self._started = self._closed = False
         self.cache = ResponseCache(config.cache)
@@ -93,13 +98,13 @@ class Gateway:
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
         stages: list[Stage] = [
             RequestLimits(), ResolveModel(router), Allowlist(router), CacheStage(self.cache, router, self.guardrails),
-            RateLimitStage(self.limiter), BudgetStage(lambda: self.budgets, router, config.budgets_when_database_down),
+            RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, router, config.budgets_when_database_down),
             GuardrailStage(self.guardrails, router),
         ]
         self.pipeline = Pipeline(stages, self._route)
         # A decision_judge guardrail's calls: its own user path's rate limits and budgets, then the router.
         self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(
-            lambda: self.budgets, router, config.budgets_when_database_down)], self._route)
+            lambda: self.leases, router, config.budgets_when_database_down)], self._route)
 
     @staticmethod
     def keys_configured(config: GatewayConfig) -> bool:
@@ -108,9 +113,7 @@ class Gateway:
 
     @property
     def needs_database(self) -> bool:
-        """Managed keys exist only with a master key to create them; a database_url or budgets open it
-        regardless. Usage is recorded wherever a database is open."""
-        return self.master_key is not None or self.database_url is not None or bool(self.config.budgets)
+        return _needs_database(self.master_key, self.database_url, self.config)
 
     async def start(self) -> None:
         """Open the database (migrated) and the usage journal. A setting that cannot work raises ``ConfigError``
@@ -128,7 +131,10 @@ class Gateway:
             for budget in self.config.budgets:
                 await self.budgets.put(budget, "config")
             await self.budgets.budgets()  # known from the start: a database that goes down later keeps this list
-            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal)
+            self.leases = LeaseBook(self.budgets)
+            self.leases.start()
+            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal,
+                                     on_written=self.leases.written)
             self.usage.start()
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
@@ -139,8 +145,10 @@ class Gateway:
         if self._closed:
             return
         self._closed = True
+        if self.leases is not None:
+            await self.leases.aclose()  # the room of budget leases given back
         if self.usage is not None:
-            await self.usage.aclose()  # flush usage records before the database closes
+            await self.usage.aclose()  # flush usage records (and their budget charges) before the database closes
         await self.router.aclose()
         await self.limiter.aclose()
         await self.cache.aclose()
@@ -294,6 +302,28 @@ class Gateway:
                 charges=[c.row() for c in context.charges] or None))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
+
+
+def _needs_database(master_key: str | None, database_url: str | None, config: GatewayConfig) -> bool:
+    """Managed keys exist only with a master key to create them; a database_url or budgets open it regardless.
+    Usage is recorded wherever a database is open."""
+    return master_key is not None or database_url is not None or bool(config.budgets)
+
+
+async def prepare(config: GatewayConfig) -> None:
+    """What the processes of one server would otherwise race to do as they start (``serve --workers``): migrate the
+    database and write the config's budgets, once, before they start. ``ConfigError`` as ``Gateway.start``."""
+    master = config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or None
+    url, setting = _setting(config.database_url, "database_url", DATABASE_URL_ENV)
+    if not _needs_database(master, url, config):
+        return
+    db = await _open_database(url, setting)
+    try:
+        store = BudgetStore(db)
+        for budget in config.budgets:
+            await store.put(budget, "config")
+    finally:
+        await db.aclose()
 
 
 async def _open_database(url: str | None, setting: str) -> Database:

@@ -4,7 +4,7 @@ admin API (summary, daily, audit) and ``GET /v1/usage``. Writing them is ``usage
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
@@ -58,7 +58,13 @@ class UsageRecord:
     charges: list[list[Any]] | None = None
 
     def row(self) -> dict[str, Any]:
-        return {**asdict(self), "day": self.time.strftime("%Y-%m-%d")}
+        """The record as the journal and the usage table take it (its values as they are: not copied)."""
+        row = {f.name: getattr(self, f.name) for f in _FIELDS}
+        row["day"] = self.time.strftime("%Y-%m-%d")
+        return row
+
+
+_FIELDS = fields(UsageRecord)
 
 
 def redact(value: Any, fields: Iterable[str] = ()) -> Any:

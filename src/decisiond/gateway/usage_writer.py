@@ -2,9 +2,10 @@
 in batches by a background task, off the request path. An answered request always leaves its usage row.
 
 ``UsageWriter.submit(record)`` never waits and never fails the request: the record gets a unique ``record_id`` and
-is appended to this process's journal. The background task seals the journal's open segment, inserts its records
+is appended to this process's journal. The background task, woken by a record (at most once every ``USAGE_GATHER_S``,
+so that under load the records of a moment share a transaction), seals the journal's open segment, inserts its records
 in batches of ``limits.USAGE_BATCH`` rows (one transaction a batch, ``INSERT … ON CONFLICT (record_id) DO
-NOTHING``), with the budget charges the inserted rows carry (``stages.budget.apply_charges``: a budget is settled
+NOTHING``), with the budget charges the inserted rows carry (``stages.budget_ledger.apply_charges``: a budget is settled
 exactly once per request, in the transaction that records it), then deletes the segment. When the database cannot
 be reached or is busy (locked, a lock or statement timeout, a serialization failure, a dropped connection:
 ``store.db.transient``), the segments wait on disk and the write is retried whole with a growing pause (up to
@@ -29,7 +30,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -42,6 +43,7 @@ from ..limits import (
     USAGE_BATCH,
     USAGE_CUT_MARKER,
     USAGE_FLUSH_TIMEOUT_S,
+    USAGE_GATHER_S,
     USAGE_ORPHAN_SCAN_S,
     USAGE_PING_TIMEOUT_S,
     USAGE_PURGE_INTERVAL_S,
@@ -51,7 +53,7 @@ from ..limits import (
 from ..store.db import Database, transient
 from ..store.tables import UsageRow
 from .journal import Journal, read_segment
-from .stages.budget import apply_charges
+from .stages.budget_ledger import apply_charges
 from .types import Charge
 from .usage import UsageRecord
 
@@ -92,8 +94,9 @@ def fit(row: dict[str, Any]) -> dict[str, Any]:
 
 def _insert_ignoring(dialect: str) -> Any:
     """INSERT … ON CONFLICT (record_id) DO NOTHING: a record replayed from the journal is inserted once."""
-    statement = postgresql.insert(UsageRow) if dialect == "postgresql" else sqlite.insert(UsageRow)
-    return statement.on_conflict_do_nothing(index_elements=["record_id"])
+    table: Any = UsageRow.__table__  # Core, not the ORM's bulk path: the rows are plain dictionaries already
+    statement = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
+    return statement.on_conflict_do_nothing(index_elements=["record_id"]).returning(table.c.record_id)
 
 
 @dataclass
@@ -103,6 +106,8 @@ class UsageWriter:
     db: Database
     retention_days: int | None = None
     journal: Journal | None = None
+    # Told of the budget charges of each batch once they are in the ledger (the budgets' view of this process).
+    on_written: Callable[[list[Charge]], None] | None = None
     queue_max: int = USAGE_QUEUE_MAX
     # Records the journal could not take (its disk refused them), held in memory up to queue_max.
     buffer: list[dict[str, Any]] = field(default_factory=list)
@@ -114,6 +119,7 @@ class UsageWriter:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _scan_at: float = 0.0
+    _drained_at: float = 0.0
     _task: asyncio.Task[None] | None = None
     _purger: asyncio.Task[None] | None = None
 
@@ -164,9 +170,15 @@ class UsageWriter:
                 wait = None if self.journal is None else max(0.0, self._scan_at - time.monotonic())
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
+                gather = self._drained_at + USAGE_GATHER_S - time.monotonic()
+                if self._wake.is_set() and not self._stop.is_set() and gather > 0:
+                    # Written a moment ago: let the records of this moment join one batch.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), gather)
                 continue
             try:
                 await self._drain()
+                self._drained_at = time.monotonic()
                 pause = 0.25
             except asyncio.CancelledError:
                 raise
@@ -214,20 +226,22 @@ class UsageWriter:
             await self._insert(batch)
 
     async def _insert(self, rows: list[dict[str, Any]]) -> None:
-        """Insert ``rows`` in one transaction, with the budget charges they carry (``stages.budget.apply_charges``:
-        of the rows inserted now only, so a replayed record is charged once). A failure of the database's state (it
-        is down, locked, busy, timed out: ``store.db.transient``) raises ``DatabaseDown`` and the batch is retried
-        whole later. Any other failure splits the batch until the record at fault is alone: it goes to the
+        """Insert ``rows`` in one transaction, with the budget charges they carry
+        (``stages.budget_ledger.apply_charges``: of the rows inserted now only, so a replayed record is charged
+        once). A failure of the database's state (it is down, locked, busy, timed out: ``store.db.transient``)
+        raises ``DatabaseDown`` and the batch is retried whole later. Any other failure splits the batch until the
+        record at fault is alone: it goes to the
         dead-letter file, the others go in."""
         try:
             async with self.db.session() as session, session.begin():
-                inserted = await session.execute(_insert_ignoring(self.db.dialect).returning(UsageRow.record_id),
-                                                 [fit(r) for r in rows])
+                inserted = await session.execute(_insert_ignoring(self.db.dialect), [fit(r) for r in rows])
                 new = set(inserted.scalars())
                 charges = [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
                 if charges:
                     await apply_charges(session, charges)
             self.written += len(rows)
+            if charges and self.on_written is not None:
+                self.on_written(charges)
             return
         except asyncio.CancelledError:
             raise

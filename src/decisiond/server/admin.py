@@ -36,7 +36,7 @@ from ..gateway import usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.auth import Authenticator
-from ..gateway.stages.budget import BudgetStore
+from ..gateway.stages.budget_ledger import BudgetStore, BudgetView
 from ..gateway.types import Caller
 from ..limits import AUDIT_PAGE_MAX
 from ..store.db import Database
@@ -153,6 +153,13 @@ async def _master_db(request: Request) -> tuple[Database, BudgetStore]:
     return gateway.db, gateway.budgets
 
 
+async def _spend(request: Request, budgets: list[BudgetView]) -> list[dict[str, Any]]:
+    """The budgets' spend as the database has it, the room this process holds unused in its leases not counted."""
+    leases = request.app.state.gateway.leases
+    store: BudgetStore = request.app.state.gateway.budgets
+    return await (leases.spend(budgets) if leases is not None else store.spend(budgets))
+
+
 def _bad(param: str, message: str) -> DecisionError:
     return InvalidRequest(f"{param}: {message}", (param,))
 
@@ -243,8 +250,8 @@ async def list_budgets(request: Request) -> Any:
         db, budgets = await _master_db(request)
     except DecisionError as error:
         return _error(error)
-    budgets._cache = None
-    return {"object": "list", "data": await budgets.spend(await budgets.budgets())}
+    budgets.forget()
+    return {"object": "list", "data": await _spend(request, await budgets.budgets())}
 
 
 @router.put("/budgets")
@@ -256,7 +263,7 @@ async def put_budget(request: Request) -> Any:
     except DecisionError as error:
         return _error(error)
     view = await budgets.put(body, "admin")
-    return (await budgets.spend([view]))[0]
+    return (await _spend(request, [view]))[0]
 
 
 @router.delete("/budgets/{budget_id}")
@@ -287,7 +294,7 @@ async def own_usage(request: Request) -> Any:
     try:
         out["spend"] = await usage.key_spend(db, caller.key_id, caller.user_path)
         mine = [b for b in await budgets.budgets() if b.model is None and b.applies(caller, ())]
-        out["budgets"] = await budgets.spend(mine)
+        out["budgets"] = await _spend(request, mine)
     except Exception:
         return _error(Unavailable("usage is unavailable: the database cannot be reached", code="no_database"))
     return out

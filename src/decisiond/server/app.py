@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..gateway.router import Router
 from ..gateway.service import Gateway
@@ -21,7 +22,7 @@ from . import mcp as mcp_server
 from .guard import AccessGuard
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import RequestContext
-from .routes import ROUTES, endpoint
+from .routes import ROUTES, decision_asgi, endpoint
 
 
 @dataclass
@@ -47,7 +48,7 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
         finally:
             await gateway.aclose()  # upstream connection pools, Redis, the database
 
-    app = FastAPI(title="decisiond", version=__version__, lifespan=lifespan)
+    app = App(title="decisiond", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.state.gateway = gateway
     app.state.settings = settings
@@ -56,12 +57,32 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
     app.add_middleware(RequestContext)
     _add_decision_routes(app)
+    app.direct = {route.path: RequestContext(MetricsMiddleware(AccessGuard(decision_asgi(route)), metrics=metrics))
+                  for route in ROUTES}
     app.include_router(pages.router)
     app.include_router(admin.router)
     app.include_router(chat.router)
     app.include_router(admin.self_service)
     app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["GET", "POST", "DELETE"]))
     return app
+
+
+class App(FastAPI):
+    """The FastAPI app, with one shortcut: a ``POST`` to a decision route (``routes.ROUTES``) goes straight to its
+    endpoint through decisiond's own three middlewares (request id and access line, metrics, access guard), not
+    through FastAPI's routing and exception layers, which it never needed (its endpoint answers every error itself)
+    and which were a fifth of its cost. Its OpenAPI schema is FastAPI's as for any route."""
+
+    direct: dict[str, ASGIApp] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.direct.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def _add_decision_routes(app: FastAPI) -> None:

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from ..canonical import DecisionResult, ScoreResult
 from ..dialects import detect
@@ -94,6 +95,15 @@ def endpoint(route: DecisionRoute) -> Callable[[Request], Any]:
         return await serve(request, route)
 
     return decision_endpoint
+
+
+def decision_asgi(route: DecisionRoute) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The route's endpoint as a plain ASGI app (``app.App`` calls it directly)."""
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        response = await serve(Request(scope, receive, send), route)
+        await response(scope, receive, send)
+
+    return app
 
 
 def error_response(rendered: tuple[int, dict[str, Any]], *header_sets: dict[str, str]) -> JSONResponse:

@@ -13,7 +13,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
@@ -93,6 +93,18 @@ def transient(error: BaseException) -> bool:
     return isinstance(error, (OperationalError, InterfaceError))
 
 
+def _sqlite_pragmas(connection: Any, record: Any) -> None:
+    """SQLite in WAL mode (readers never wait for a writer, nor a writer for readers; processes on one host share
+    the file) with ``synchronous=NORMAL``: a commit is not fsynced until the next checkpoint, so it survives the
+    process but not a power loss — the durability of the usage journal, which every write goes through."""
+    cursor = connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
+
+
 def _upgrade(connection: Connection) -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
@@ -110,10 +122,15 @@ class Database:
     @classmethod
     async def open(cls, url: str | None) -> "Database":
         resolved = database_url(url)
-        options: dict[str, Any] = {"pool_pre_ping": True}
-        if resolved.startswith("postgresql"):  # a host that drops packets is refused in seconds, not asyncpg's 60
+        options: dict[str, Any] = {}
+        if resolved.startswith("postgresql"):
+            # A pooled connection is checked before use (a server restarted, a connection cut); a host that drops
+            # packets is refused in seconds, not asyncpg's 60. A SQLite file has no connection to lose.
+            options["pool_pre_ping"] = True
             options["connect_args"] = {"timeout": DATABASE_CONNECT_TIMEOUT_S}
         engine = create_async_engine(resolved, **options)
+        if resolved.startswith("sqlite"):
+            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         db = cls(engine)
         async with engine.begin() as conn:
             await conn.run_sync(_upgrade)

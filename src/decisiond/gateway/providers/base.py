@@ -3,11 +3,14 @@ HTTP plumbing the upstream ones share."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Protocol
 
+import aiohttp
 import httpx
+import orjson
 
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ...errors import DecisionError, InvalidRequest, provider_error, retry_headers
@@ -190,6 +193,12 @@ def error_message(text: str) -> str:
 
 
 class HttpProvider(Provider):
+    """An upstream reached over HTTP. Decisions go through an aiohttp session (the request's hot path: a
+    connection pool of ``max_connections``, kept alive between requests); chat traffic, which is relayed as it
+    streams (``gateway.forward``), through an httpx client (``client``)."""
+
+    max_connections = 100
+
     def __init__(self, config: ProviderConfig):
         super().__init__(config)
         self.base_url = (config.base_url or "").rstrip("/")
@@ -197,30 +206,51 @@ class HttpProvider(Provider):
             timeout=httpx.Timeout(config.timeout, connect=config.connect_timeout),
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
         )
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout, sock_connect=config.connect_timeout)
 
     @property
     def secrets(self) -> tuple[str, ...]:
         """What this provider sends that must never be echoed: its key and its configured header values."""
         return tuple(v for v in (self.config.api_key, *self.config.headers.values()) if v)
 
-    async def post(self, url: str, headers: dict[str, str], **kwargs: Any) -> Any:
-        """POST and return the JSON body; an unavailable provider or an error status becomes an ProviderError."""
+    def session(self) -> aiohttp.ClientSession:
+        """The aiohttp session of the running event loop (made on first use: a session belongs to one loop)."""
+        session, loop = self._session, asyncio.get_running_loop()
+        if session is None or session.closed or self._session_loop is not loop:
+            session = self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections), timeout=self._timeout,
+                json_serialize=_dumps, skip_auto_headers=("User-Agent",))
+            self._session_loop = loop
+        return session
+
+    async def post(self, url: str, headers: dict[str, str], json: Any = None,
+                   files: list[tuple[str, tuple[str | None, bytes, str]]] | None = None) -> Any:
+        """POST ``json`` (or ``files`` as multipart/form-data: (field, (filename, bytes, content type))) and
+        return the JSON body; an unavailable provider or an error status becomes a ``ProviderError``."""
+        data: aiohttp.FormData | None = None
+        if files is not None:
+            data = aiohttp.FormData()
+            for field, (filename, content, content_type) in files:
+                data.add_field(field, content, filename=filename, content_type=content_type)
         try:
-            response = await self.client.post(url, headers={**self.config.headers, **headers}, **kwargs)
-        except httpx.TimeoutException as e:
+            async with self.session().post(url, headers={**self.config.headers, **headers}, json=json,
+                                           data=data) as response:
+                status, raw = response.status, await response.read()
+                kept = retry_headers(response.headers) if status >= 400 else {}
+        except asyncio.TimeoutError as e:
             raise provider_error(self.name, 504, f"provider {self.name!r} timed out: {type(e).__name__}",
                                  code="upstream_timeout") from e
-        except httpx.HTTPError as e:
+        except (aiohttp.ClientError, OSError) as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}: {e}",
-                                 secrets=self.secrets,
-                                 code="upstream_unavailable") from e
-        if response.status_code >= 400:
-            kept = retry_headers(response.headers)
-            raise provider_error(self.name, response.status_code, error_message(response.text), kept,
+                                 secrets=self.secrets, code="upstream_unavailable") from e
+        if status >= 400:
+            raise provider_error(self.name, status, error_message(raw.decode("utf-8", "replace")), kept,
                                  secrets=self.secrets)
         try:
-            return response.json()
-        except ValueError as e:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} answered with a body that is not JSON",
                                  code="upstream_invalid_response") from e
 
@@ -239,3 +269,9 @@ class HttpProvider(Provider):
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()

@@ -12,6 +12,7 @@ limit is unavailable, and a failover chain routes around it as on a 429 from ups
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import uuid
@@ -72,19 +73,26 @@ class _Check:
         return ("decisiond", self.scope.kind, self.scope.id, "tokens" if self.tokens else "requests")
 
 
-def _checks(scopes: list[Scope]) -> list[_Check]:
+def part(amount: int, share: tuple[int, int]) -> int:
+    """This process's part of a limit shared by ``share = (index, count)`` processes that cannot count together:
+    the parts of all of them add up to the limit exactly."""
+    index, count = share
+    return amount // count + (1 if index < amount % count else 0)
+
+
+def _checks(scopes: list[Scope], share: tuple[int, int] = (0, 1)) -> list[_Check]:
     out = []
     for scope in scopes:
         for setting, window in _WINDOWS.items():
             amount = getattr(scope.config, setting)
             if amount is not None:
-                out.append(_Check(scope, setting, window(amount)))
+                out.append(_Check(scope, setting, window(part(amount, share))))
         if scope.config.requests_per_window is not None:
-            out.append(_Check(scope, "requests_per_window",
-                              RateLimitItemPerSecond(scope.config.requests_per_window, scope.config.window_seconds)))
+            out.append(_Check(scope, "requests_per_window", RateLimitItemPerSecond(
+                part(scope.config.requests_per_window, share), scope.config.window_seconds)))
         if scope.config.input_tokens_per_minute is not None:
             out.append(_Check(scope, "input_tokens_per_minute",
-                              RateLimitItemPerMinute(scope.config.input_tokens_per_minute)))
+                              RateLimitItemPerMinute(part(scope.config.input_tokens_per_minute, share))))
     return out
 
 
@@ -178,11 +186,50 @@ class _Concurrency:
             await self.redis.aclose()
 
 
+class LocalStorage(MemoryStorage):
+    """``limits``' in-process storage, its expiry swept at most every ``EXPIRY_SWEEP_S`` on the event loop. The
+    library's own sweeps after every hit, and moves each key's search to a worker thread: a thread hop per key per
+    request, whose GIL hand-overs were a rate-limited request's largest cost. Counting is the library's, unchanged:
+    a sweep only drops entries and counters already past their window."""
+
+    EXPIRY_SWEEP_S = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._swept = 0.0
+
+    async def _MemoryStorage__schedule_expiry(self) -> None:  # replaces the library's (name-mangled) hook
+        now = time.monotonic()
+        if now - self._swept >= self.EXPIRY_SWEEP_S:
+            self._swept = now
+            self._sweep()
+
+    def _sweep(self) -> None:
+        now = time.time()
+        for key, events in list(self.events.items()):
+            # Newest first: keep the entries whose window has not passed.
+            live = bisect.bisect_left(events, -now, key=lambda entry: -entry.expiry)
+            if live:
+                self.events[key] = events[:live]
+            else:
+                self.events.pop(key, None)
+                self.locks.pop(key, None)
+        for key, expiry in list(self.expirations.items()):
+            if expiry <= now:
+                self.storage.pop(key, None)
+                self.expirations.pop(key, None)
+                self.locks.pop(key, None)
+
+
 class RateLimiter:
     def __init__(self, redis_url: str | None = None, user_paths: list[UserPathLimit] | None = None,
                  models: dict[str, RateLimitConfig] | None = None,
                  providers: dict[str, RateLimitConfig] | None = None,
-                 slot_ttl_s: float = CONCURRENCY_SLOT_TTL_S):
+                 slot_ttl_s: float = CONCURRENCY_SLOT_TTL_S, share: tuple[int, int] = (0, 1)):
+        """``share``: (this process's index, the number of processes) of a server whose processes count in memory
+        (no ``redis_url``): each enforces its ``part`` of every limit, so that together they enforce the limit.
+        With Redis they share one count, and each enforces the whole."""
+        self.share = share if not redis_url else (0, 1)
         self.user_paths = [u for u in user_paths or [] if not u.empty()]
         self.models = {k: v for k, v in (models or {}).items() if not v.empty()}
         self.providers = {k: v for k, v in (providers or {}).items() if not v.empty()}
@@ -194,7 +241,7 @@ class RateLimiter:
             self.storage = RedisStorage(uri, implementation="redispy")
             self.concurrency = _Concurrency(redis.asyncio.Redis.from_url(redis_url.removeprefix("async+")), slot_ttl_s)
         else:
-            self.storage = MemoryStorage()
+            self.storage = LocalStorage()
             self.concurrency = _Concurrency()
         self.window = MovingWindowRateLimiter(self.storage)
 
@@ -223,7 +270,7 @@ class RateLimiter:
 
         When the counters cannot be reached (Redis down), the request is admitted and a warning logged: an outage
         of the limiter's storage degrades to no limits, never to refusing every request."""
-        admission = Admission(self, _checks(scopes), tokens)
+        admission = Admission(self, _checks(scopes, self.share), tokens)
         if not scopes:
             return admission
         try:
@@ -245,7 +292,7 @@ class RateLimiter:
                 raise await self._refusal(check, admission)
         for scope in scopes:
             if scope.config.concurrent is not None:
-                slot = await self.concurrency.acquire(scope, scope.config.concurrent)
+                slot = await self.concurrency.acquire(scope, part(scope.config.concurrent, self.share))
                 if slot is None:
                     await admission.release()
                     raise RateLimited(f"{scope.describe()} already has {scope.config.concurrent} requests in "
@@ -293,7 +340,7 @@ class RateLimiter:
     async def counters(self, caller: Caller) -> list[dict[str, Any]]:
         """The caller's live counters (for ``GET /v1/usage``): each limit with what remains and when it resets."""
         out: list[dict[str, Any]] = []
-        for check in _checks(self.caller_scopes(caller)):
+        for check in _checks(self.caller_scopes(caller), self.share):
             stats = await self.window.get_window_stats(check.item, *check.identifiers)
             out.append({"scope": check.scope.describe(), "unit": "input_tokens" if check.tokens else "requests",
                         "per": _per(check.item), "limit": check.item.amount, "remaining": max(0, stats.remaining),
