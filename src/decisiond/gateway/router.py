@@ -31,6 +31,7 @@ from .settings import DEFAULT_DEADLINE, GatewayConfig
 from .virtual import VirtualModelConfig
 
 log = logging.getLogger("decisiond.gateway")
+_timeout = getattr(asyncio, "timeout", None)
 
 # Admission for one attempt on a target (its model and provider rate limits): an async context manager that
 # raises a failover-able ProviderError when the target is at its limit, and yields something with
@@ -241,7 +242,10 @@ async def _within(attempt: Coroutine[Any, Any, DecisionResult], seconds: float |
     if seconds is None:
         return await attempt
     try:
-        return await asyncio.wait_for(attempt, seconds)
+        if _timeout is None:  # Python 3.10
+            return await asyncio.wait_for(attempt, seconds)
+        async with _timeout(seconds):  # in this task: no task of its own, no extra turn of the event loop
+            return await attempt
     except asyncio.TimeoutError:
         name = target.provider.name
         raise provider_error(name, 504, f"provider {name!r} timed out: no answer within {seconds:.3g} s",

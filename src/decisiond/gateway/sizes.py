@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 
 from .. import limits as table
 from ..canonical import DecisionRequest, Image, Json, Message, ScoreRequest, ToolOutput
@@ -55,10 +56,25 @@ def _placeholder(image: Image) -> str:
     return "<image>"
 
 
+# ``_question_sizes`` of the requests alive, by identity (a request is measured by the rate limits, the budgets and
+# the router in turn; a request object never changes): (a weak reference to it, its sizes).
+_measured: dict[int, tuple[weakref.ref[DecisionRequest], list[tuple[int, int]]]] = {}
+
+
 def _question_sizes(request: DecisionRequest) -> list[tuple[int, int]]:
     """Each question's prompt text — the input (once per question), the instructions, the options or levels — as
     (characters, UTF-8 bytes), measured without copying the input once per question (a 10 MB input asked 400
-    questions would be 4 GB of copies)."""
+    questions would be 4 GB of copies), and once per request object."""
+    known = _measured.get(id(request))
+    if known is not None and known[0]() is request:
+        return known[1]
+    sizes = _measure(request)
+    key = id(request)
+    _measured[key] = (weakref.ref(request, lambda _, key=key: _measured.pop(key, None)), sizes)  # type: ignore[misc]
+    return sizes
+
+
+def _measure(request: DecisionRequest) -> list[tuple[int, int]]:
     state = render_input(request.input, _placeholder)
     chars, size = len(state), _bytes(state)
     sizes = []

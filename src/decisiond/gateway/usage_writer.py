@@ -36,7 +36,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import String, delete
-from sqlalchemy.dialects import postgresql, sqlite
 
 from ..errors import one_line
 from ..limits import (
@@ -52,6 +51,7 @@ from ..limits import (
 )
 from ..store.db import Database, transient
 from ..store.tables import UsageRow
+from ..store.usage_rows import insert_new
 from .journal import Journal, read_segment
 from .stages.budget_ledger import apply_charges
 from .types import Charge
@@ -80,23 +80,20 @@ def fit(row: dict[str, Any]) -> dict[str, Any]:
     insert otherwise); NUL characters and lone surrogates, which PostgreSQL refuses, are replaced; a missing value
     takes its column's default; keys that are no column are left out."""
     out: dict[str, Any] = {}
-    for column in UsageRow.__table__.columns:
-        if column.primary_key:
-            continue
-        value = row.get(column.name)
-        if value is None and not column.nullable and column.default is not None:
-            value = column.default.arg
-        if isinstance(column.type, String) and value is not None:
-            value = _fit_text(str(value), column.type.length)
-        out[column.name] = value
+    for name, default, length, text in _COLUMNS:
+        value = row.get(name)
+        if value is None:
+            value = default
+        elif text:
+            value = _fit_text(str(value), length)
+        out[name] = value
     return out
 
 
-def _insert_ignoring(dialect: str) -> Any:
-    """INSERT … ON CONFLICT (record_id) DO NOTHING: a record replayed from the journal is inserted once."""
-    table: Any = UsageRow.__table__  # Core, not the ORM's bulk path: the rows are plain dictionaries already
-    statement = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
-    return statement.on_conflict_do_nothing(index_elements=["record_id"]).returning(table.c.record_id)
+# (name, the value for a missing one, the length of a string column, whether it is one), for ``fit``.
+_COLUMNS = [(c.name, c.default.arg if not c.nullable and c.default is not None else None,
+             c.type.length if isinstance(c.type, String) else None, isinstance(c.type, String))
+            for c in UsageRow.__table__.columns if not c.primary_key]
 
 
 @dataclass
@@ -170,12 +167,12 @@ class UsageWriter:
                 wait = None if self.journal is None else max(0.0, self._scan_at - time.monotonic())
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
-                gather = self._drained_at + USAGE_GATHER_S - time.monotonic()
-                if self._wake.is_set() and not self._stop.is_set() and gather > 0:
-                    # Written a moment ago: let the records of this moment join one batch.
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), gather)
                 continue
+            gather = self._drained_at + USAGE_GATHER_S - time.monotonic()
+            if gather > 0 and not self._stop.is_set():
+                # Written a moment ago: let the records of this moment join one batch.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), gather)
             try:
                 await self._drain()
                 self._drained_at = time.monotonic()
@@ -234,8 +231,7 @@ class UsageWriter:
         dead-letter file, the others go in."""
         try:
             async with self.db.session() as session, session.begin():
-                inserted = await session.execute(_insert_ignoring(self.db.dialect), [fit(r) for r in rows])
-                new = set(inserted.scalars())
+                new = await insert_new(session, [fit(r) for r in rows])
                 charges = [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
                 if charges:
                     await apply_charges(session, charges)

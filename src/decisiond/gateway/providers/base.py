@@ -219,6 +219,8 @@ class HttpProvider(Provider):
         """The aiohttp session of the running event loop (made on first use: a session belongs to one loop)."""
         session, loop = self._session, asyncio.get_running_loop()
         if session is None or session.closed or self._session_loop is not loop:
+            if session is not None and not session.closed:
+                session.detach()  # its loop is gone (a library user's earlier asyncio.run): nothing left to close
             session = self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections), timeout=self._timeout,
                 json_serialize=_dumps, skip_auto_headers=("User-Agent",))

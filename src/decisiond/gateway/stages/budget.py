@@ -96,7 +96,10 @@ class BudgetStage:
         except Exception as error:  # no budget list, or no worst case (a tokenizer's error): nothing to decide on
             raise self._undecided(context, error, "budgets cannot be checked") from None
         try:
-            reservation = await asyncio.wait_for(book.admit(budgets, amount), BUDGET_DB_TIMEOUT_S)
+            admitted = book.admit_now(budgets, amount)
+            if admitted is None:
+                admitted = await asyncio.wait_for(book.admit(budgets, amount), BUDGET_DB_TIMEOUT_S)
+            reservation = admitted
         except DecisionError:
             raise
         except Exception as error:

@@ -3,9 +3,9 @@
 
 - A request is admitted when every budget that applies has its worst case in this process's lease of the budget's
   current window, all or none. A lease short of it grows first (``BudgetStore.grow``: the shortfall, and up to
-  ``LEASE_CHUNK_REQUESTS`` worst cases more where a quarter of the budget's free room allows), one growth at a time
-  per lease; a lease that grew by a chunk and is down to a third of it grows in the background, so that the next
-  requests need not wait.
+  ``LEASE_CHUNK_REQUESTS`` worst cases more — twice as many at each growth that comes within ``LEASE_IDLE_S`` of the
+  last — where a quarter of the budget's free room allows), one growth at a time per lease; a lease that grew by a
+  chunk and is down to a third of it grows in the background, so that the next requests need not wait.
 - A request's worst case is carved out of its lease while it runs. When it ends, what it did not use goes back to
   the lease at once, and its charge (``types.Charge``) carries its real cost to the usage writer, which moves that
   much from the lease's hold to the spend in the database (an upstream that billed more than the worst case: the
@@ -37,6 +37,8 @@ from .budget_ledger import BudgetStore, BudgetView, Local, NoRoom, budget_exceed
 
 log = logging.getLogger("decisiond.budgets")
 
+MAX_CHUNK_REQUESTS = 1 << 16
+
 
 @dataclass(frozen=True)
 class Hold:
@@ -66,6 +68,8 @@ class Lease:
     room: int = 0
     last_growth: int = 0
     used_at: float = field(default_factory=time.monotonic)
+    chunk_requests: int = 0
+    grown_at: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     growing: asyncio.Future[None] | None = None
 
@@ -91,6 +95,15 @@ class LeaseBook:
     def start(self) -> None:
         self._task = asyncio.create_task(self._tend(), name="budget-leases")
 
+    def admit_now(self, budgets: list[BudgetView], amount: int, now: float | None = None) -> Reservation | None:
+        """``admit`` without waiting: the reservation when every lease has the room already, else None (then
+        ``admit``). The common case, and no await: no task, no turn of the event loop."""
+        now = time.time() if now is None else now
+        leases = [self._lease(b, b.window(now)[0]) for b in budgets]
+        if any(lease.room < amount for lease in leases):
+            return None
+        return Reservation([self._carve(lease, amount) for lease in leases])
+
     async def admit(self, budgets: list[BudgetView], amount: int, now: float | None = None) -> Reservation:
         """Carve ``amount`` nano-USD out of this process's lease of every budget's current window, all or none,
         growing leases that are short (402 ``budget_exceeded`` naming the first budget without room)."""
@@ -102,19 +115,22 @@ class LeaseBook:
                 lease = self._lease(b, b.window(now)[0])
                 if lease.room < amount:
                     await self._grow(lease, amount)
-                lease.room -= amount
-                lease.used_at = time.monotonic()
+                holds.append(self._carve(lease, amount))
                 taken.append(lease)
-                holds.append(Hold(lease.id, b.id, lease.start, amount))
-                if amount < lease.last_growth > 3 * lease.room and (lease.growing is None or lease.growing.done()):
-                    # A lease that grows by chunks (the budget is far from its limit) grows again in the
-                    # background, before its room runs out; near the limit, room is taken a request at a time.
-                    lease.growing = self._growth(lease, amount)
         except BaseException:
             for lease in taken:  # all or none
                 lease.room += amount
             raise
         return Reservation(holds)
+
+    def _carve(self, lease: Lease, amount: int) -> Hold:
+        lease.room -= amount
+        lease.used_at = time.monotonic()
+        if amount < lease.last_growth > 3 * lease.room and (lease.growing is None or lease.growing.done()):
+            # A lease that grows by chunks (the budget is far from its limit) grows again in the background,
+            # before its room runs out; near the limit, room is taken a request at a time.
+            lease.growing = self._growth(lease, amount)
+        return Hold(lease.id, lease.budget.id, lease.start, amount)
 
     def settle(self, reservation: Reservation, actual: int) -> list[Charge]:
         """A request of this process ended, having cost ``actual`` nano-USD: what it did not use of its worst case
@@ -218,7 +234,12 @@ class LeaseBook:
             if lease.room >= amount:
                 return
             need = amount - lease.room
-            chunk = max(need, amount * self.chunk_requests)
+            # A lease that grows again soon after its last growth is busy: its chunks double (up to the quarter of
+            # the free room the ledger allows at most); one that waited resumes at the first size.
+            busy = time.monotonic() - lease.grown_at < LEASE_IDLE_S
+            lease.chunk_requests = min(lease.chunk_requests * 2, MAX_CHUNK_REQUESTS) if busy else self.chunk_requests
+            lease.grown_at = time.monotonic()
+            chunk = max(need, amount * lease.chunk_requests)
             try:
                 ident, granted = await self.store.grow(lease.budget, lease.start, lease.id, need, chunk, amount)
             except NoRoom as full:

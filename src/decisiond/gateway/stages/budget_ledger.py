@@ -243,29 +243,21 @@ class BudgetStore:
                    amount: int) -> tuple[str, int]:
         """Take ``need`` nano-USD more room for the lease ``lease`` (a new lease when None or gone) in ``b``'s window
         ``start``, and up to ``chunk`` in all, in whole worst cases of ``amount`` (the request's), where a quarter of
-        what is then free allows: (its id, the room granted). 402 naming ``b`` when not even ``need`` is free.
-        Expired holds of ``b`` are released first."""
+        what is then free allows: (its id, the room granted). ``NoRoom`` when not even ``need`` is free. Expired
+        holds of that window are released first."""
         w, r = BudgetWindow, BudgetReservation
-        now = time.time()
-        now_ms = int(now * 1000)
+        now_ms = int(time.time() * 1000)
         async with self.db.session() as session, session.begin():
-            await session.execute(self._insert()(BudgetWindow).values(budget_id=b.id, window_start=start, spent=0,
-                                                                      reserved=0).on_conflict_do_nothing())
-            await self._release_expired(session, b.id, now_ms)
-            took = await session.execute(
-                update(w).where(w.budget_id == b.id, w.window_start == start,
-                                w.spent + w.reserved + need <= b.limit_nano, w.spent + w.reserved < b.limit_nano)
-                .values(reserved=w.reserved + need))
-            row = (await session.execute(select(w.spent, w.reserved).where(
-                w.budget_id == b.id, w.window_start == start))).one()
-            if getattr(took, "rowcount", 0) != 1:
-                raise NoRoom(row.spent, row.reserved)
+            spent, reserved = await _locked_window(session, b.id, start)
+            reserved -= await self._release_expired(session, b.id, start, now_ms)
+            free = b.limit_nano - spent - reserved
+            if free < need:
+                raise NoRoom(spent, reserved)
             # Whole requests' worst cases only: no lease keeps a fragment another replica could have used.
-            extra = max(0, min(chunk - need, (b.limit_nano - row.spent - row.reserved) // 4)) // amount * amount
-            if extra:
-                await session.execute(update(w).where(w.budget_id == b.id, w.window_start == start)
-                                      .values(reserved=w.reserved + extra))
+            extra = max(0, min(chunk - need, (free - need) // 4)) // amount * amount
             granted = need + extra
+            await session.execute(update(w).where(w.budget_id == b.id, w.window_start == start)
+                                  .values(reserved=reserved + granted))
             renewed = 0
             if lease is not None:
                 renewed = getattr(await session.execute(update(r).where(r.id == lease).values(
@@ -280,6 +272,7 @@ class BudgetStore:
         """Return ``amount`` of a lease's room to its window (the hold deleted once it holds nothing)."""
         r, w = BudgetReservation, BudgetWindow
         async with self.db.session() as session, session.begin():
+            await _locked_window(session, budget, start)
             left = (await session.execute(update(r).where(r.id == lease).values(amount=r.amount - amount)
                                           .returning(r.amount))).first()
             if left is None:
@@ -291,38 +284,48 @@ class BudgetStore:
 
     async def renew(self, leases: Iterable[str]) -> None:
         """Mark live leases as renewed now, so that no replica releases them for their age."""
-        ids = list(leases)
+        ids = sorted(leases)
         if not ids:
             return
         r = BudgetReservation
         async with self.db.session() as session, session.begin():
-            await session.execute(update(r).where(r.id.in_(ids)).values(created_ms=int(time.time() * 1000)))
+            for ident in ids:  # one row at a time, in the one order every transaction takes holds in
+                await session.execute(update(r).where(r.id == ident).values(created_ms=int(time.time() * 1000)))
 
-    async def _release_expired(self, session: Any, budget: str, now_ms: int) -> None:
-        """Release this budget's holds not renewed within their time to live (each by exactly one transaction: the
-        DELETE returns only the rows it removed)."""
+    async def _release_expired(self, session: Any, budget: str, start: int, now_ms: int) -> int:
+        """Release the window's holds not renewed within their time to live (each by exactly one transaction: the
+        DELETE returns only the rows it removed): the room they held, for the caller to take off ``reserved``."""
         r = BudgetReservation
-        gone = (await session.execute(delete(r).where(r.budget_id == budget,
+        gone = (await session.execute(delete(r).where(r.budget_id == budget, r.window_start == start,
                                                       r.created_ms < now_ms - self.reservation_ttl_ms)
-                                      .returning(r.window_start, r.amount))).all()
+                                      .returning(r.amount))).all()
         if not gone:
-            return
+            return 0
+        amount = sum(a for (a,) in gone)
         log.warning("budget reservations released after their time to live: their replica stopped renewing them",
-                    extra={"budget": budget, "count": len(gone), "nanousd": sum(a for _, a in gone)})
-        by_window: dict[int, int] = {}
-        for start, amount in gone:
-            by_window[start] = by_window.get(start, 0) + amount
-        w = BudgetWindow
-        for start, amount in by_window.items():
-            await session.execute(update(w).where(w.budget_id == budget, w.window_start == start)
-                                  .values(reserved=w.reserved - amount))
+                    extra={"budget": budget, "count": len(gone), "nanousd": amount})
+        return int(amount)
+
+
+async def _locked_window(session: Any, budget: str, start: int) -> tuple[int, int]:
+    """The window's (spent, reserved), made if missing, and locked for the rest of the transaction. Every
+    transaction here locks windows before holds (windows in (budget, start) order, holds in id order), so that two
+    never wait for each other (PostgreSQL would find the deadlock only after ``deadlock_timeout``, a second)."""
+    w = BudgetWindow
+    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+    # A write first: SQLite takes the database's write lock here, PostgreSQL the row's in the SELECT below.
+    await session.execute(insert(BudgetWindow).values(budget_id=budget, window_start=start, spent=0,
+                                                      reserved=0).on_conflict_do_nothing())
+    row = (await session.execute(select(w.spent, w.reserved).where(w.budget_id == budget, w.window_start == start)
+                                 .with_for_update())).one()
+    return int(row[0]), int(row[1])
 
 
 async def apply_charges(session: Any, charges: Iterable[Charge]) -> None:
     """Settle ``charges`` in ``session``'s transaction (the usage writer's, as it inserts their usage rows): each
     hold still there gives up what its requests held (a hold already released for its age frees nothing twice; one
     that reaches 0 is deleted), and the actual costs are added to their windows' spend — one UPDATE per hold and one
-    per window, whatever the number of charges."""
+    per window, whatever the number of charges; windows locked first, as every transaction here does."""
     w, r = BudgetWindow, BudgetReservation
     held: dict[str, int] = {}
     spent: dict[tuple[str, int], int] = {}
@@ -331,8 +334,11 @@ async def apply_charges(session: Any, charges: Iterable[Charge]) -> None:
         spent[window_key] = spent.get(window_key, 0) + c.actual
         if c.hold_id is not None:
             held[c.hold_id] = held.get(c.hold_id, 0) + c.held
+    windows = sorted(spent)
+    for budget, start in windows:
+        await _locked_window(session, budget, start)
     released: dict[tuple[str, int], int] = {}
-    for hold, amount in sorted(held.items()):  # one lock order across writers
+    for hold, amount in sorted(held.items()):
         row = (await session.execute(update(r).where(r.id == hold).values(amount=r.amount - amount)
                                      .returning(r.amount, r.budget_id, r.window_start))).first()
         if row is None:
@@ -340,12 +346,8 @@ async def apply_charges(session: Any, charges: Iterable[Charge]) -> None:
         released[(row[1], row[2])] = released.get((row[1], row[2]), 0) + amount
         if row[0] <= 0:
             await session.execute(delete(r).where(r.id == hold, r.amount <= 0))
-    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
-    for (budget, start), cost in sorted(spent.items()):
-        free = released.get((budget, start), 0)
-        if not cost and not free:
-            continue
-        await session.execute(insert(BudgetWindow).values(budget_id=budget, window_start=start, spent=0,
-                                                          reserved=0).on_conflict_do_nothing())
-        await session.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
-            reserved=w.reserved - free, spent=w.spent + cost))
+    for budget, start in windows:
+        cost, free = spent[(budget, start)], released.get((budget, start), 0)
+        if cost or free:
+            await session.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
+                reserved=w.reserved - free, spent=w.spent + cost))

@@ -12,6 +12,7 @@ limit is unavailable, and a failover chain routes around it as on a 429 from ups
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import time
@@ -112,7 +113,6 @@ class Admission:
     checks: list[_Check] = field(default_factory=list)
     estimate: int = 0
     slots: list[tuple[Scope, str]] = field(default_factory=list)
-    headers: dict[str, str] = field(default_factory=dict)
 
     async def settle(self, actual_tokens: int) -> None:
         """Count the tokens the provider reported above the estimate (never more than the window still holds)."""
@@ -230,6 +230,7 @@ class RateLimiter:
         (no ``redis_url``): each enforces its ``part`` of every limit, so that together they enforce the limit.
         With Redis they share one count, and each enforces the whole."""
         self.share = share if not redis_url else (0, 1)
+        self.remote = bool(redis_url)
         self.user_paths = [u for u in user_paths or [] if not u.empty()]
         self.models = {k: v for k, v in (models or {}).items() if not v.empty()}
         self.providers = {k: v for k, v in (providers or {}).items() if not v.empty()}
@@ -288,7 +289,9 @@ class RateLimiter:
             if check.tokens and cost > check.item.amount:
                 raise LimitExceeded(f"this request's estimated {cost} input tokens exceed the "
                                     f"{check.item.amount} tokens per minute of {check.scope.describe()}")
-            if not await self.window.test(check.item, *check.identifiers, cost=cost):
+            # A hit counts only when it fits: with one limit, the hit below is the test (one call, one round trip
+            # to Redis); with several, each is tested first, so that a refusal by one spends nothing of the others.
+            if len(admission.checks) > 1 and not await self.window.test(check.item, *check.identifiers, cost=cost):
                 raise await self._refusal(check, admission)
         for scope in scopes:
             if scope.config.concurrent is not None:
@@ -302,7 +305,6 @@ class RateLimiter:
             if not await self.window.hit(check.item, *check.identifiers, cost=tokens if check.tokens else 1):
                 await admission.release()
                 raise await self._refusal(check, admission)
-        admission.headers = await self._headers(admission)
         return admission
 
     async def _refusal(self, check: _Check, admission: Admission) -> RateLimited:
@@ -318,6 +320,14 @@ class RateLimiter:
         cost = min(extra, stats.remaining)
         if cost > 0:
             await self.window.hit(check.item, *check.identifiers, cost=cost)
+
+    async def headers(self, admission: Admission) -> dict[str, str]:
+        """``_headers``, or none when the counters cannot be read (their storage is down)."""
+        try:
+            return await self._headers(admission)
+        except Exception as error:
+            log.warning("rate-limit headers not computed: storage unavailable", extra={"error": repr(error)})
+            return {}
 
     async def _headers(self, admission: Admission) -> dict[str, str]:
         """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` of the tightest request and token limits."""
@@ -399,11 +409,17 @@ class RateLimitStage:
         if not scopes:
             return await call_next(context, request)
         admission = await self.limiter.admit(scopes, estimated_tokens(request))
-        context.response_headers.update(admission.headers)
+        # The x-ratelimit-* counters: read beside the call when they are in Redis (a round trip the answer need not
+        # wait for), at once when they are in memory.
+        counters = asyncio.ensure_future(self.limiter.headers(admission)) if self.limiter.remote else None
+        if counters is None:
+            context.response_headers.update(await self.limiter.headers(admission))
         try:
             result = await call_next(context, request)
             usage = getattr(result, "usage", None)
             await admission.settle(usage.input_tokens if usage is not None else getattr(result, "prompt_tokens", 0))
             return result
         finally:
+            if counters is not None:
+                context.response_headers.update(await counters)
             await admission.release()

@@ -1,0 +1,72 @@
+"""Inserting usage rows in bulk, each record once: ``insert_new(session, rows)`` inserts those whose ``record_id`` is
+not in the table yet, in the session's transaction, and returns the ids it inserted.
+
+The rows are sent as the driver takes them, not through SQLAlchemy's per-row statement machinery (which cost a
+fifth of a millisecond a row, on the event loop): each value goes through its column type's own bind processor (so
+it is stored exactly as SQLAlchemy stores it and read back the same), then
+
+- PostgreSQL: one ``INSERT … SELECT * FROM unnest($1::text[], …) ON CONFLICT (record_id) DO NOTHING RETURNING
+  record_id``, one array a column;
+- SQLite: the ids already there, then one ``executemany`` of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Integer, String, text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from .tables import UsageRow
+
+_COLUMNS = [c for c in UsageRow.__table__.columns if not c.primary_key]
+_NAMES = ", ".join(c.name for c in _COLUMNS)
+_ARRAYS = ((String, "text"), (DateTime, "timestamptz"), (BigInteger, "int8"), (Integer, "int4"), (Float, "float8"),
+           (Boolean, "bool"), (JSON, "json"))
+
+
+def _array_type(column: Any) -> str:
+    return next(name for kind, name in _ARRAYS if isinstance(column.type, kind))
+
+
+_POSTGRES = (f"INSERT INTO usage ({_NAMES}) SELECT * FROM unnest("
+             + ", ".join(f"${i}::{_array_type(c)}[]" for i, c in enumerate(_COLUMNS, 1))
+             + ") ON CONFLICT (record_id) DO NOTHING RETURNING record_id")
+_SQLITE = f"INSERT INTO usage ({_NAMES}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
+_processors: dict[str, list[tuple[str, Any, Any]]] = {}
+
+
+def _bound(dialect: Dialect) -> list[tuple[str, Any, Any]]:
+    """Each column's (name, bind processor for ``dialect`` — None where the driver takes the value as it is —, and
+    what the processor makes of None: computed once, as a JSON column's ``null``)."""
+    found = _processors.get(dialect.name)
+    if found is None:
+        found = _processors[dialect.name] = []
+        for c in _COLUMNS:
+            processor = c.type.bind_processor(dialect)
+            found.append((c.name, processor, processor(None) if processor is not None else None))
+    return found
+
+
+async def insert_new(session: AsyncSession, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert the rows (``usage_writer.fit`` made each fit its columns) whose record id is new, in the session's
+    transaction; the record ids inserted."""
+    connection = await session.connection()
+    dialect = connection.dialect
+    processors = _bound(dialect)
+    values = [[row[name] if p is None else null if row[name] is None and null is not None else p(row[name])
+               for name, p, null in processors] for row in rows]
+    if dialect.name == "postgresql":
+        await session.execute(text("SELECT 1"))  # the transaction is begun on the driver's connection
+        driver: Any = (await connection.get_raw_connection()).driver_connection
+        records = await driver.fetch(_POSTGRES, *(list(column) for column in zip(*values)))
+        return {r[0] for r in records}
+    ids = [row["record_id"] for row in rows]
+    marks = ", ".join("?" for _ in ids)
+    there = {r[0] for r in (await connection.exec_driver_sql(
+        f"SELECT record_id FROM usage WHERE record_id IN ({marks})", tuple(ids))).all()}
+    fresh = [v for v, ident in zip(values, ids) if ident not in there]
+    if fresh:
+        await connection.exec_driver_sql(_SQLITE, [tuple(v) for v in fresh])
+    return {ident for ident in ids if ident not in there}
