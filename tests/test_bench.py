@@ -64,3 +64,39 @@ def test_bench_on_a_missing_gpu_fails_with_one_line():
     assert done.returncode == 2 and not done.stdout
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("decisiond: --device cuda: no CUDA device is available here")
+
+
+@pytest.mark.slow
+def test_bench_gateway_end_to_end(tmp_path):
+    """``decisiond bench --gateway``, briefly: the mock upstream alone and decisiond keyless, keyed on SQLite and on
+    PostgreSQL + Redis, each at every client count, no errors, and the budget checks. No timing is asserted."""
+    out, raw = tmp_path / "GATEWAY.md", tmp_path / "GATEWAY.json"
+    done = run_decisiond("bench", "--gateway", "--workers", "1", "--seconds", "1", "--rounds", "1", "--clients",
+                         "1,4", "--out", str(out), "--json", str(raw), timeout=900, fresh=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(raw.read_text())
+    ran = set(report["table"])
+    assert {"upstream", "keyless", "keyed-sqlite"} <= ran
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # CI installs PostgreSQL and Redis
+        assert "keyed-postgres-redis" in ran, report["skipped"]
+    for name, by_clients in report["table"].items():
+        for clients, row in by_clients.items():
+            assert row["rate"] > 0 and row["errors"] == 0 and row["non_2xx"] == 0, (name, clients, row)
+    (budget,) = report["budgets"]
+    assert budget["exact"] and budget["refused"] > 0 and budget["spent_usd"] <= budget["limit_usd"] + 1e-12
+    assert set(report["shared"]) == {"1", "2"} and all(rate > 0 for rate in report["shared"].values())
+    text = out.read_text()
+    assert "| keyless |" in text and "One budget (keyed, SQLite)" in text
+
+
+def test_the_mock_upstream_answers_every_question_asked_and_nothing_else():
+    from decisiond.bench import upstream
+
+    status, body = upstream.respond("/v1/decisions", json.dumps({"questions": [
+        {"type": "predicate", "name": "a"}, {"type": "choice", "name": "b", "choices": [{"value": "x"}, {"value": "y"}]},
+        {"type": "score", "name": "c", "levels": [{"label": "low"}, {"label": "high"}]}]}).encode())
+    answers = json.loads(body)["answers"]
+    assert status == 200 and [a["name"] for a in answers] == ["a", "b", "c"]
+    assert answers[0]["probability"] == 0.7 and [p["probability"] for p in answers[1]["probabilities"]] == [0.6, 0.4]
+    assert upstream.respond("/v1/chat/completions", b"{}")[0] == 404
+    assert upstream.respond("/v1/decisions", b"not json")[0] == 400

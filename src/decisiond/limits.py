@@ -101,7 +101,7 @@ BUDGET_DB_TIMEOUT_S = 3.0
 # Budget leases (``gateway.stages.budget_leases``): a process takes room of a budget for up to this many of a
 # request's worst case at once (a quarter of the free room at most), gives back room unused for LEASE_IDLE_S, and
 # renews its live leases every LEASE_RENEW_S (a third of budget_reservation_ttl_s at most).
-LEASE_CHUNK_REQUESTS = 64
+LEASE_CHUNK_REQUESTS = 256
 LEASE_IDLE_S = 0.5
 LEASE_RENEW_S = 60.0
 # GET /admin/audit: rows per page at most.

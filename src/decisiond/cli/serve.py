@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import gc
 import socket
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
@@ -87,9 +88,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(prepare(config or GatewayConfig()))  # migrations and the config's budgets, once
     except ConfigError as error:
         return refuse(error)
+    from ..server.metrics import share_between_processes
+
     sock = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()  # type: ignore[arg-type]
-    return serve_workers(args.workers, sock, lambda shared, index: _serve_one(args, config, shared,
-                                                                              (index, args.workers)))
+    with tempfile.TemporaryDirectory(prefix="decisiond-metrics-") as metrics:
+        share_between_processes(metrics)  # /metrics adds up every worker's counts, whichever answers the scrape
+        return serve_workers(args.workers, sock, lambda shared, index: _serve_one(args, config, shared,
+                                                                                  (index, args.workers)))
 
 
 def _serve_one(args: argparse.Namespace, config: GatewayConfig | None, sock: socket.socket | None = None,

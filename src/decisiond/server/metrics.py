@@ -14,11 +14,12 @@ Grafana: ``docs/grafana-dashboard.json``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -105,6 +106,22 @@ class EngineCollector(Collector):
         yield from counters.values()
 
 
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+USAGE_COUNTERS = (
+    ("decisiond_usage_rows_written", "Usage rows written to the database", "written"),
+    ("decisiond_usage_dead_letters", "Usage records the database refused, kept in the dead-letter file",
+     "dead_letters"),
+    ("decisiond_usage_records_lost", "Usage records dropped: the journal's disk and the writer's queue were full",
+     "lost"))
+
+
+def share_between_processes(directory: str) -> None:
+    """Keep every instrument made from now on in files under ``directory``, which any process's scrape adds up (call
+    before the workers of ``serve --workers`` start)."""
+    os.environ[MULTIPROCESS_DIR] = directory
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+
+
 class UsageCollector(Collector):
     """The usage writer's counters, read when Prometheus scrapes: rows written, records refused by the database
     (in the journal's dead-letter file) and records lost (neither the journal nor memory could hold them)."""
@@ -114,12 +131,7 @@ class UsageCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         writer = self.gateway.usage
-        for name, text, field in (
-                ("decisiond_usage_rows_written", "Usage rows written to the database", "written"),
-                ("decisiond_usage_dead_letters", "Usage records the database refused, kept in the dead-letter file",
-                 "dead_letters"),
-                ("decisiond_usage_records_lost", "Usage records dropped: the journal's disk and the writer's queue "
-                 "were full", "lost")):
+        for name, text, field in USAGE_COUNTERS:
             family = CounterMetricFamily(name, text)
             family.add_metric([], float(getattr(writer, field, 0)) if writer is not None else 0.0)
             yield family
@@ -150,8 +162,18 @@ class Metrics(Observer):
                                        ["provider", "code"], registry=r)
         self.upstream_latency = Histogram("decisiond_upstream_attempt_seconds", "Duration of each attempt",
                                           ["provider"], buckets=LATENCY_BUCKETS, registry=r)
-        r.register(EngineCollector(router))
-        if gateway is not None:
+        self.engines = EngineCollector(router)
+        r.register(self.engines)
+        self.gateway = gateway
+        # Several processes (``serve --workers``): every instrument above is kept in files that any worker's scrape
+        # adds up (prometheus-client's multiprocess mode); the usage writer's counts, which each worker keeps, are
+        # added to counters of the same names as they grow.
+        self.shared = bool(os.environ.get(MULTIPROCESS_DIR))
+        self._published: dict[str, float] = {}
+        self.usage: dict[str, Counter] = {}
+        if self.shared:
+            self.usage = {field: Counter(name, text, registry=r) for name, text, field in USAGE_COUNTERS}
+        elif gateway is not None:
             r.register(UsageCollector(gateway))
         router.observer = self
 
@@ -182,9 +204,28 @@ class Metrics(Observer):
             self.input_tokens.labels(model).inc(fields["input_tokens"])
         if status >= 400 and fields.get("error_code"):
             self.refusals.labels(route, str(fields["error_code"]), str(status)).inc()
+        if self.shared:
+            self._publish_usage()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.shared:
+            return generate_latest(self.registry)
+        self._publish_usage()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(self.engines)  # this worker's own engines
+        return generate_latest(registry)
+
+    def _publish_usage(self) -> None:
+        writer = self.gateway.usage if self.gateway is not None else None
+        if writer is None:
+            return
+        for field, counter in self.usage.items():
+            value = float(getattr(writer, field, 0))
+            grown = value - self._published.get(field, 0.0)
+            if grown > 0:
+                counter.inc(grown)
+                self._published[field] = value
 
 
 class MetricsMiddleware:

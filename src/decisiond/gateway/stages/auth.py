@@ -8,8 +8,10 @@ A caller's user path is its key's; the master key (or anyone, when no key is con
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -19,6 +21,8 @@ from ...errors import AuthenticationFailed, InvalidRequest, PermissionDenied
 from ...store.keys import KeyRecord, KeyStore
 from ..settings import RateLimitConfig, StaticKeyConfig, check_user_path
 from ..types import Caller
+
+log = logging.getLogger("decisiond.auth")
 
 USER_PATH_HEADER = "x-decisiond-user-path"
 # Verified managed keys are remembered this long (a revocation on another replica is seen within it).
@@ -52,6 +56,8 @@ class Authenticator:
         self._static = {(k.key_sha256 or _sha256(k.key or "")): k for k in static_keys or []}
         self.store = store
         self._cache: OrderedDict[str, tuple[float, KeyRecord | None]] = OrderedDict()
+        self._reading: dict[str, asyncio.Future[KeyRecord | None]] = {}
+        self._callers: dict[str, tuple[KeyRecord, Caller]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -84,24 +90,47 @@ class Authenticator:
             raise AuthenticationFailed(f"API key {record.id} has been revoked.")
         if status == "expired":
             raise AuthenticationFailed(f"API key {record.id} expired at {record.expires_at:%Y-%m-%dT%H:%M:%SZ}.")
-        return Caller(key_id=record.id, name=record.name, user_path=record.user_path,
-                      models=tuple(record.models) if record.models is not None else None,
-                      rate_limits=RateLimitConfig.model_validate(record.rate_limits) if record.rate_limits else None,
-                      guardrails=tuple(record.guardrails))
+        known = self._callers.get(record.id)
+        if known is not None and known[0] is record:  # the same record read: the same caller
+            return known[1]
+        caller = Caller(key_id=record.id, name=record.name, user_path=record.user_path,
+                        models=tuple(record.models) if record.models is not None else None,
+                        rate_limits=RateLimitConfig.model_validate(record.rate_limits) if record.rate_limits else None,
+                        guardrails=tuple(record.guardrails))
+        self._callers[record.id] = (record, caller)
+        if len(self._callers) > CACHE_ENTRIES:
+            self._callers.pop(next(iter(self._callers)))
+        return caller
 
     async def _managed(self, key: str, digest: str) -> KeyRecord | None:
+        """A managed key's record, never older than ``CACHE_SECONDS`` (a revocation elsewhere is seen within it):
+        read from the database when there is none that fresh, else from memory — read again beside the request
+        once half that old, so that a key in use is always fresh and its requests never wait for the database."""
         if self.store is None:
             return None
-        now = time.monotonic()
         hit = self._cache.get(digest)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        record = await self.store.verify(key)
-        self._cache[digest] = (now + CACHE_SECONDS, record)
+        now = time.monotonic()
+        if hit is None or hit[0] <= now:
+            return await self._verify(key, digest)
+        if hit[0] - now < CACHE_SECONDS / 2 and digest not in self._reading:
+            reading = asyncio.ensure_future(self._verify(key, digest))
+            self._reading[digest] = reading
+            reading.add_done_callback(lambda done: self._read_done(digest, done))
+        return hit[1]
+
+    async def _verify(self, key: str, digest: str) -> KeyRecord | None:
+        store = self.store
+        record = await store.verify(key) if store is not None else None
+        self._cache[digest] = (time.monotonic() + CACHE_SECONDS, record)
         self._cache.move_to_end(digest)
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
         return record
+
+    def _read_done(self, digest: str, reading: asyncio.Future[KeyRecord | None]) -> None:
+        self._reading.pop(digest, None)
+        if not reading.cancelled() and reading.exception() is not None:  # the database: read again when stale
+            log.warning("a managed key could not be read again from the database")
 
     def forget(self) -> None:
         """Drop remembered keys (after a revocation here)."""

@@ -3,9 +3,9 @@
 
 - A request is admitted when every budget that applies has its worst case in this process's lease of the budget's
   current window, all or none. A lease short of it grows first (``BudgetStore.grow``: the shortfall, and up to
-  ``LEASE_CHUNK_REQUESTS`` worst cases more — twice as many at each growth that comes within ``LEASE_IDLE_S`` of the
-  last — where a quarter of the budget's free room allows), one growth at a time per lease; a lease that grew by a
-  chunk and is down to a third of it grows in the background, so that the next requests need not wait.
+  ``LEASE_CHUNK_REQUESTS`` worst cases more — twice as many at each growth of a lease in use — where a quarter of the
+  budget's free room allows), one growth at a time per lease; a lease that grew by a chunk and is down to half of it
+  grows in the background, so that the next requests need not wait.
 - A request's worst case is carved out of its lease while it runs. When it ends, what it did not use goes back to
   the lease at once, and its charge (``types.Charge``) carries its real cost to the usage writer, which moves that
   much from the lease's hold to the spend in the database (an upstream that billed more than the worst case: the
@@ -69,7 +69,6 @@ class Lease:
     last_growth: int = 0
     used_at: float = field(default_factory=time.monotonic)
     chunk_requests: int = 0
-    grown_at: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     growing: asyncio.Future[None] | None = None
 
@@ -126,7 +125,7 @@ class LeaseBook:
     def _carve(self, lease: Lease, amount: int) -> Hold:
         lease.room -= amount
         lease.used_at = time.monotonic()
-        if amount < lease.last_growth > 3 * lease.room and (lease.growing is None or lease.growing.done()):
+        if amount < lease.last_growth > 2 * lease.room and (lease.growing is None or lease.growing.done()):
             # A lease that grows by chunks (the budget is far from its limit) grows again in the background,
             # before its room runs out; near the limit, room is taken a request at a time.
             lease.growing = self._growth(lease, amount)
@@ -234,11 +233,10 @@ class LeaseBook:
             if lease.room >= amount:
                 return
             need = amount - lease.room
-            # A lease that grows again soon after its last growth is busy: its chunks double (up to the quarter of
-            # the free room the ledger allows at most); one that waited resumes at the first size.
-            busy = time.monotonic() - lease.grown_at < LEASE_IDLE_S
-            lease.chunk_requests = min(lease.chunk_requests * 2, MAX_CHUNK_REQUESTS) if busy else self.chunk_requests
-            lease.grown_at = time.monotonic()
+            # Each growth of a lease in use takes twice the last (up to the quarter of the free room the ledger
+            # allows at most), so that a busy lease grows rarely; one given back for being idle starts again small.
+            lease.chunk_requests = min(2 * lease.chunk_requests, MAX_CHUNK_REQUESTS) if lease.chunk_requests \
+                else self.chunk_requests
             chunk = max(need, amount * lease.chunk_requests)
             try:
                 ident, granted = await self.store.grow(lease.budget, lease.start, lease.id, need, chunk, amount)
@@ -274,6 +272,7 @@ class LeaseBook:
     async def _give_back(self, lease: Lease) -> None:
         async with lease.lock:
             room, lease.room = lease.room, 0
+            lease.chunk_requests = 0
             if room > 0 and lease.id is not None:
                 try:
                     await self.store.give_back(lease.id, lease.budget.id, lease.start, room)

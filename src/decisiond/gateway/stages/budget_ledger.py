@@ -146,6 +146,11 @@ class Local:
     explained: dict[str, int] = field(default_factory=dict)
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # raised to whoever awaits it (none, for a read beside requests)
+
+
 class NoRoom(Exception):
     """A window without the room asked for, as the ledger has it: its ``spent`` and ``reserved``."""
 
@@ -164,13 +169,18 @@ class BudgetStore:
         self._refresh: asyncio.Task[list[BudgetView]] | None = None
 
     async def budgets(self) -> list[BudgetView]:
-        """Every budget, as read at most ``BUDGET_CACHE_S`` ago (one read at a time; the last list known while
-        the database cannot be read)."""
-        if self._cache is not None and self._cache[0] > time.monotonic():
-            return self._cache[1]
-        if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.ensure_future(self._read())
-        return await asyncio.shield(self._refresh)
+        """Every budget, as read at most ``BUDGET_CACHE_S`` ago (a change on another replica is seen within it): the
+        list in memory, read again beside the request once half that old, so that while requests come none waits
+        for the database; one read at a time; the last list known while the database cannot be read."""
+        now, cached, refresh = time.monotonic(), self._cache, self._refresh
+        if refresh is None or refresh.done():
+            if cached is not None and cached[0] - now >= BUDGET_CACHE_S / 2:
+                return cached[1]
+            refresh = self._refresh = asyncio.ensure_future(self._read())
+            refresh.add_done_callback(_retrieved)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        return await asyncio.shield(refresh)
 
     async def _read(self) -> list[BudgetView]:
         try:
@@ -186,8 +196,9 @@ class BudgetStore:
         return views
 
     def forget(self) -> None:
-        """Read the list again at the next request (after a change here)."""
+        """Read the list again, and wait for it, at the next request (after a change here)."""
         self._cache = None
+        self._refresh = None
 
     async def put(self, config: BudgetConfig, source: Literal["config", "admin"]) -> BudgetView:
         ident = budget_id(config)
