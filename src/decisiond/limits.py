@@ -82,6 +82,8 @@ USAGE_BATCH = 500
 # The writer writes at most once every USAGE_GATHER_S (a record that comes to an idle writer is written at once), so
 # that a busy moment's records (and the budget charges they carry) go in one transaction, not one each.
 USAGE_GATHER_S = 0.2
+# Rows the writer prepares between two turns of the event loop (a batch's preparation never holds requests up long).
+USAGE_SLICE = 32
 USAGE_RETRY_MAX_S = 5.0
 USAGE_FLUSH_TIMEOUT_S = 15.0
 USAGE_PURGE_INTERVAL_S = 3600.0

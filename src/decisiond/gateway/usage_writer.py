@@ -48,6 +48,7 @@ from ..limits import (
     USAGE_PURGE_INTERVAL_S,
     USAGE_QUEUE_MAX,
     USAGE_RETRY_MAX_S,
+    USAGE_SLICE,
 )
 from ..store.db import Database, transient
 from ..store.tables import UsageRow
@@ -230,8 +231,12 @@ class UsageWriter:
         record at fault is alone: it goes to the
         dead-letter file, the others go in."""
         try:
+            fitted = []
+            for start in range(0, len(rows), USAGE_SLICE):  # the event loop serves requests between slices
+                fitted += [fit(r) for r in rows[start:start + USAGE_SLICE]]
+                await asyncio.sleep(0)
             async with self.db.session() as session, session.begin():
-                new = await insert_new(session, [fit(r) for r in rows])
+                new = await insert_new(session, fitted)
                 charges = [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
                 if charges:
                     await apply_charges(session, charges)

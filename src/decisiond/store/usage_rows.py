@@ -12,12 +12,14 @@ it is stored exactly as SQLAlchemy stores it and read back the same), then
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Integer, String, text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..limits import USAGE_SLICE
 from .tables import UsageRow
 
 _COLUMNS = [c for c in UsageRow.__table__.columns if not c.primary_key]
@@ -55,8 +57,11 @@ async def insert_new(session: AsyncSession, rows: list[dict[str, Any]]) -> set[s
     connection = await session.connection()
     dialect = connection.dialect
     processors = _bound(dialect)
-    values = [[row[name] if p is None else null if row[name] is None and null is not None else p(row[name])
-               for name, p, null in processors] for row in rows]
+    values: list[list[Any]] = []
+    for start in range(0, len(rows), USAGE_SLICE):  # the event loop serves requests between slices
+        values += [[row[name] if p is None else null if row[name] is None and null is not None else p(row[name])
+                    for name, p, null in processors] for row in rows[start:start + USAGE_SLICE]]
+        await asyncio.sleep(0)
     if dialect.name == "postgresql":
         await session.execute(text("SELECT 1"))  # the transaction is begun on the driver's connection
         driver: Any = (await connection.get_raw_connection()).driver_connection

@@ -128,7 +128,7 @@ class LeaseBook:
         if amount < lease.last_growth > 2 * lease.room and (lease.growing is None or lease.growing.done()):
             # A lease that grows by chunks (the budget is far from its limit) grows again in the background,
             # before its room runs out; near the limit, room is taken a request at a time.
-            lease.growing = self._growth(lease, amount)
+            lease.growing = self._growth(lease, amount, ahead=True)
         return Hold(lease.id, lease.budget.id, lease.start, amount)
 
     def settle(self, reservation: Reservation, actual: int) -> list[Charge]:
@@ -217,8 +217,8 @@ class LeaseBook:
             lease.growing = growing = self._growth(lease, amount)
             await asyncio.shield(growing)
 
-    def _growth(self, lease: Lease, amount: int) -> asyncio.Future[None]:
-        task = asyncio.ensure_future(self._take(lease, amount))
+    def _growth(self, lease: Lease, amount: int, ahead: bool = False) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(self._take(lease, amount, ahead))
         self._growths.add(task)
         task.add_done_callback(self._growth_done)
         return task
@@ -228,11 +228,12 @@ class LeaseBook:
         if not task.cancelled():
             task.exception()  # no room, or the database: whoever waits on it finds out; nobody else needs to
 
-    async def _take(self, lease: Lease, amount: int) -> None:
+    async def _take(self, lease: Lease, amount: int, ahead: bool = False) -> None:
+        """Grow ``lease`` so that it holds ``amount`` (or, ``ahead`` of need, more than half its last growth)."""
         async with lease.lock:
-            if lease.room >= amount:
+            if lease.room >= amount and not (ahead and 2 * lease.room < lease.last_growth):
                 return
-            need = amount - lease.room
+            need = amount - lease.room if lease.room < amount else amount  # ahead: at least one request more
             # Each growth of a lease in use takes twice the last (up to the quarter of the free room the ledger
             # allows at most), so that a busy lease grows rarely; one given back for being idle starts again small.
             lease.chunk_requests = min(2 * lease.chunk_requests, MAX_CHUNK_REQUESTS) if lease.chunk_requests \
@@ -248,26 +249,33 @@ class LeaseBook:
             lease.id, lease.room, lease.last_growth = ident, lease.room + granted, granted
 
     async def _tend(self) -> None:
-        """Give back idle leases' room, forget leases of past windows and renew live ones, for as long as the
-        process serves."""
+        """``tend`` for as long as the process serves."""
         renewed = time.monotonic()
         while True:
             await asyncio.sleep(min(LEASE_IDLE_S / 2, self.renew_s))
             try:
-                now, clock = time.time(), time.monotonic()
-                for key, lease in list(self.leases.items()):
-                    ended = lease.budget.window(now)[0] != lease.start
-                    if lease.room > 0 and (ended or clock - lease.used_at >= LEASE_IDLE_S):
-                        await self._give_back(lease)
-                    if ended and lease.room == 0:
-                        del self.leases[key]
-                if clock - renewed >= self.renew_s:
-                    await self.store.renew(lease.id for lease in self.leases.values() if lease.id is not None)
-                    renewed = clock
+                renew = time.monotonic() - renewed >= self.renew_s
+                await self.tend(renew=renew)
+                if renew:
+                    renewed = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the database: tried again at the next turn
                 log.warning("budget leases not tended", extra={"error": one_line(error)})
+
+    async def tend(self, now: float | None = None, clock: float | None = None, renew: bool = False) -> None:
+        """Give back the room of leases idle for ``LEASE_IDLE_S`` (``clock``: ``time.monotonic()``) or of past
+        windows (``now``: ``time.time()``), forget leases of past windows once empty, and renew live ones."""
+        now = time.time() if now is None else now
+        clock = time.monotonic() if clock is None else clock
+        for key, lease in list(self.leases.items()):
+            ended = lease.budget.window(now)[0] != lease.start
+            if lease.room > 0 and (ended or clock - lease.used_at >= LEASE_IDLE_S):
+                await self._give_back(lease)
+            if ended and lease.room == 0:
+                del self.leases[key]
+        if renew:
+            await self.store.renew(lease.id for lease in self.leases.values() if lease.id is not None)
 
     async def _give_back(self, lease: Lease) -> None:
         async with lease.lock:

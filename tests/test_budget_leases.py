@@ -1,0 +1,135 @@
+"""Budget leases on a real database (SQLite, and PostgreSQL shared by two replicas): two lease books admitting at
+once never hold more than the limit; near the limit they admit exactly what fits; far from it a budget costs a few
+transactions, not one a request; settled requests reach the ledger exactly (spent = the sum of their costs, nothing
+left held once the leases are given back); a lease grows ahead of need in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from services import start_postgres
+
+from decisiond.errors import BudgetExceeded
+from decisiond.gateway.settings import BudgetConfig
+from decisiond.gateway.stages.budget_leases import LeaseBook
+from decisiond.gateway.stages.budget_ledger import BudgetStore, apply_charges
+from decisiond.store.db import Database
+
+NANO = 1_000_000_000
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database_url(request, tmp_path_factory):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('leases')}/budgets.sqlite3"
+        return
+    postgres = start_postgres()
+    try:
+        yield postgres.url
+    finally:
+        postgres.remove()
+
+
+class Replica:
+    """A process's lease book on the shared database, and its usage writer's part: charges applied in batches."""
+
+    def __init__(self, db: Database):
+        self.store = BudgetStore(db)
+        self.book = LeaseBook(self.store)
+        self.grows = 0
+        grow = self.store.grow
+
+        async def counted(*args, **kwargs):
+            self.grows += 1
+            return await grow(*args, **kwargs)
+
+        self.store.grow = counted  # type: ignore[method-assign]
+        self.charges: list = []
+
+    async def write(self) -> None:
+        charges, self.charges = self.charges, []
+        async with self.store.db.session() as session, session.begin():
+            await apply_charges(session, charges)
+        self.book.written(charges)
+
+
+async def run(url: str, limit_usd: float, worst_usd: float, requests: int, cost_usd: float, tag: str) -> dict:
+    db = await Database.open(url)
+    replicas = [Replica(db), Replica(db)]
+    view = await replicas[0].store.put(BudgetConfig(key=f"key-{tag}", limit_usd=limit_usd, period="daily"), "admin")
+    budgets = [view]
+    worst, cost = int(worst_usd * NANO), int(cost_usd * NANO)
+    held = {"now": 0, "most": 0}
+    admitted = refused = 0
+    rng = random.Random(7)
+
+    async def one(i: int) -> None:
+        nonlocal admitted, refused
+        replica = replicas[i % 2]
+        try:
+            reservation = replica.book.admit_now(budgets, worst) or await replica.book.admit(budgets, worst)
+        except BudgetExceeded:
+            refused += 1
+            return
+        admitted += 1
+        held["now"] += worst
+        held["most"] = max(held["most"], held["now"])
+        await asyncio.sleep(rng.random() * 0.01)  # the call
+        held["now"] -= worst
+        replica.charges += replica.book.settle(reservation, cost)
+        if rng.random() < 0.2:
+            await replica.write()
+
+    await asyncio.gather(*(one(i) for i in range(requests)))
+    for replica in replicas:
+        await replica.write()
+        for lease in list(replica.book.leases.values()):
+            lease.used_at = -1e9  # idle for as long as the test says
+        await replica.book.tend()
+    (after,) = await replicas[0].store.spend(budgets)
+    await db.aclose()
+    return {"admitted": admitted, "refused": refused, "most_held": held["most"], "after": after,
+            "grows": sum(r.grows for r in replicas)}
+
+
+def test_two_replicas_never_hold_more_than_the_limit_and_settle_exactly(database_url):
+    # $1 limit, a worst case of $0.011, a real cost of $0.007: 90 fit at once, more as they settle.
+    out = asyncio.run(run(database_url, 1.0, 0.011, 300, 0.007, "concurrent"))
+    assert out["most_held"] <= 1 * NANO
+    after = out["after"]
+    assert after["spent_usd"] == pytest.approx(out["admitted"] * 0.007) and after["spent_usd"] <= 1.0
+    assert after["reserved_usd"] == 0 and after["reservations"] == 0
+    assert out["admitted"] >= 90 and out["admitted"] + out["refused"] == 300
+
+
+def test_near_the_limit_two_replicas_admit_exactly_what_fits(database_url):
+    out = asyncio.run(run(database_url, 0.03, 0.01, 20, 0.01, "exact"))
+    assert (out["admitted"], out["refused"]) == (3, 17)
+    assert out["after"]["spent_usd"] == pytest.approx(0.03) and out["after"]["reserved_usd"] == 0
+
+
+def test_far_from_the_limit_a_budget_costs_a_few_transactions(database_url):
+    out = asyncio.run(run(database_url, 1_000_000, 0.0001, 2000, 0.0001, "far"))
+    assert out["admitted"] == 2000 and out["grows"] <= 12  # chunks of 256 worst cases and more, per replica
+    assert out["after"]["spent_usd"] == pytest.approx(0.2) and out["after"]["reserved_usd"] == 0
+
+
+def test_a_lease_grows_ahead_of_need(tmp_path):
+    async def main() -> None:
+        db = await Database.open(f"sqlite:///{tmp_path}/ahead.sqlite3")
+        replica = Replica(db)
+        view = await replica.store.put(BudgetConfig(key="k", limit_usd=1000, period="daily"), "admin")
+        worst = int(0.001 * NANO)
+        await replica.book.admit([view], worst)  # the first growth: 256 worst cases
+        (lease,) = replica.book.leases.values()
+        assert lease.room == 255 * worst and replica.grows == 1
+        for _ in range(128):  # down to half: the next growth starts, beside the requests
+            assert replica.book.admit_now([view], worst) is not None
+        assert lease.growing is not None
+        await lease.growing
+        assert replica.grows == 2 and lease.room == 127 * worst + 512 * worst
+        await db.aclose()
+
+    asyncio.run(main())
