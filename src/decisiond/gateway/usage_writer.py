@@ -36,6 +36,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import String, delete
+from sqlalchemy.engine import Connection
 
 from ..errors import one_line
 from ..limits import (
@@ -52,7 +53,7 @@ from ..limits import (
 )
 from ..store.db import Database, transient
 from ..store.tables import UsageRow
-from ..store.usage_rows import insert_new
+from ..store.usage_rows import insert_new_postgres, insert_new_sqlite, values_of
 from .journal import Journal, read_segment
 from .stages.budget_ledger import apply_charges
 from .types import Charge
@@ -231,15 +232,11 @@ class UsageWriter:
         record at fault is alone: it goes to the
         dead-letter file, the others go in."""
         try:
-            fitted = []
+            fitted: list[dict[str, Any]] = []
             for start in range(0, len(rows), USAGE_SLICE):  # the event loop serves requests between slices
                 fitted += [fit(r) for r in rows[start:start + USAGE_SLICE]]
                 await asyncio.sleep(0)
-            async with self.db.session() as session, session.begin():
-                new = await insert_new(session, fitted)
-                charges = [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
-                if charges:
-                    await apply_charges(session, charges)
+            charges = await self._write(rows, fitted)
             self.written += len(rows)
             if charges and self.on_written is not None:
                 self.on_written(charges)
@@ -261,6 +258,30 @@ class UsageWriter:
                          "error": one_line(failure)})
         if self.journal is not None:
             self.journal.dead_letter(rows[0], one_line(failure))
+
+    async def _write(self, rows: list[dict[str, Any]], fitted: list[dict[str, Any]]) -> list[Charge]:
+        """One transaction: the new rows inserted, the charges they carry applied; those charges."""
+        dialect = self.db.engine.dialect
+
+        def charged(new: set[str]) -> list[Charge]:
+            return [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
+
+        if self.db.writer is not None:  # SQLite: the whole transaction in a thread, the file's lock held briefly
+            def run(connection: Connection) -> list[Charge]:
+                charges = charged(insert_new_sqlite(connection, fitted, values_of(fitted, dialect)))
+                apply_charges(connection, charges)
+                return charges
+
+            return await self.db.write(run)
+        values: list[list[Any]] = []
+        for start in range(0, len(fitted), USAGE_SLICE):  # the event loop serves requests between slices
+            values += values_of(fitted[start:start + USAGE_SLICE], dialect)
+            await asyncio.sleep(0)
+        async with self.db.session() as session, session.begin():
+            charges = charged(await insert_new_postgres(session, values))
+            if charges:
+                await (await session.connection()).run_sync(apply_charges, charges)
+        return charges
 
     async def aclose(self) -> None:
         """Write what is journaled (retrying until USAGE_FLUSH_TIMEOUT_S), then stop. What the database did not

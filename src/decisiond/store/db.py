@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, Engine, create_engine, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import (
 from ..limits import DATABASE_CONNECT_TIMEOUT_S
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+T = TypeVar("T")
 _DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 
 
@@ -105,6 +106,12 @@ def _sqlite_pragmas(connection: Any, record: Any) -> None:
         cursor.close()
 
 
+def _begin_immediate(connection: Connection) -> None:
+    """A write transaction takes SQLite's write lock as it begins (a deferred one that reads first could find, when
+    it comes to write, that another wrote meanwhile, and fail at once)."""
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def _upgrade(connection: Connection) -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
@@ -113,11 +120,14 @@ def _upgrade(connection: Connection) -> None:
 
 
 class Database:
-    """The engine and a session factory. ``await Database.open(url)`` migrates before it returns."""
+    """The engine and a session factory. ``await Database.open(url)`` migrates before it returns. ``write(fn)`` runs
+    a short write transaction (the budget ledger, usage rows)."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, writer: Engine | None = None):
         self.engine = engine
         self.session = async_sessionmaker(engine, expire_on_commit=False, class_=AsyncSession)
+        # SQLite: a plain engine whose transactions run whole in a thread (``write``).
+        self.writer = writer
 
     @classmethod
     async def open(cls, url: str | None) -> "Database":
@@ -129,9 +139,14 @@ class Database:
             options["pool_pre_ping"] = True
             options["connect_args"] = {"timeout": DATABASE_CONNECT_TIMEOUT_S}
         engine = create_async_engine(resolved, **options)
+        writer = None
         if resolved.startswith("sqlite"):
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-        db = cls(engine)
+            writer = create_engine(resolved.replace("sqlite+aiosqlite", "sqlite+pysqlite", 1),
+                                   connect_args={"isolation_level": None, "check_same_thread": False})
+            event.listen(writer, "connect", _sqlite_pragmas)
+            event.listen(writer, "begin", _begin_immediate)
+        db = cls(engine, writer)
         async with engine.begin() as conn:
             await conn.run_sync(_upgrade)
         return db
@@ -151,9 +166,26 @@ class Database:
         except Exception:
             return False
 
+    async def write(self, fn: Callable[[Connection], T]) -> T:
+        """``fn(connection)`` in one transaction, committed when it returns. SQLite: run whole in a thread on a
+        plain connection that begins with ``BEGIN IMMEDIATE``, so that the file's one write lock is held only while
+        ``fn`` runs — never across turns of a busy event loop, where another process's writes would wait on it.
+        PostgreSQL (row locks): on the async connection (``run_sync``)."""
+        writer = self.writer
+        if writer is not None:
+            def run() -> T:
+                with writer.begin() as connection:
+                    return fn(connection)
+
+            return await asyncio.to_thread(run)
+        async with self.engine.begin() as connection:
+            return await connection.run_sync(fn)
+
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
 
     async def aclose(self) -> None:
         await self.engine.dispose()
+        if self.writer is not None:
+            self.writer.dispose()

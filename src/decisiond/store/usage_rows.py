@@ -1,5 +1,5 @@
-"""Inserting usage rows in bulk, each record once: ``insert_new(session, rows)`` inserts those whose ``record_id`` is
-not in the table yet, in the session's transaction, and returns the ids it inserted.
+"""Inserting usage rows in bulk, each record once: the rows whose ``record_id`` is not in the table yet are inserted,
+in the caller's transaction, and the ids inserted returned.
 
 The rows are sent as the driver takes them, not through SQLAlchemy's per-row statement machinery (which cost a
 fifth of a millisecond a row, on the event loop): each value goes through its column type's own bind processor (so
@@ -12,14 +12,12 @@ it is stored exactly as SQLAlchemy stores it and read back the same), then
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Integer, String, text
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..limits import USAGE_SLICE
 from .tables import UsageRow
 
 _COLUMNS = [c for c in UsageRow.__table__.columns if not c.primary_key]
@@ -51,27 +49,31 @@ def _bound(dialect: Dialect) -> list[tuple[str, Any, Any]]:
     return found
 
 
-async def insert_new(session: AsyncSession, rows: list[dict[str, Any]]) -> set[str]:
-    """Insert the rows (``usage_writer.fit`` made each fit its columns) whose record id is new, in the session's
-    transaction; the record ids inserted."""
-    connection = await session.connection()
-    dialect = connection.dialect
+def values_of(rows: list[dict[str, Any]], dialect: Dialect) -> list[list[Any]]:
+    """The rows (``usage_writer.fit`` made each fit its columns) as the driver takes them, column by column."""
     processors = _bound(dialect)
-    values: list[list[Any]] = []
-    for start in range(0, len(rows), USAGE_SLICE):  # the event loop serves requests between slices
-        values += [[row[name] if p is None else null if row[name] is None and null is not None else p(row[name])
-                    for name, p, null in processors] for row in rows[start:start + USAGE_SLICE]]
-        await asyncio.sleep(0)
-    if dialect.name == "postgresql":
-        await session.execute(text("SELECT 1"))  # the transaction is begun on the driver's connection
-        driver: Any = (await connection.get_raw_connection()).driver_connection
-        records = await driver.fetch(_POSTGRES, *(list(column) for column in zip(*values)))
-        return {r[0] for r in records}
+    return [[row[name] if p is None else null if row[name] is None and null is not None else p(row[name])
+             for name, p, null in processors] for row in rows]
+
+
+def insert_new_sqlite(connection: Connection, rows: list[dict[str, Any]], values: list[list[Any]]) -> set[str]:
+    """SQLite, in ``connection``'s transaction: the ids already there, then one ``executemany`` of the others; the
+    record ids inserted."""
     ids = [row["record_id"] for row in rows]
     marks = ", ".join("?" for _ in ids)
-    there = {r[0] for r in (await connection.exec_driver_sql(
-        f"SELECT record_id FROM usage WHERE record_id IN ({marks})", tuple(ids))).all()}
-    fresh = [v for v, ident in zip(values, ids) if ident not in there]
+    there = {r[0] for r in connection.exec_driver_sql(
+        f"SELECT record_id FROM usage WHERE record_id IN ({marks})", tuple(ids)).all()}
+    fresh = [tuple(v) for v, ident in zip(values, ids) if ident not in there]
     if fresh:
-        await connection.exec_driver_sql(_SQLITE, [tuple(v) for v in fresh])
+        connection.exec_driver_sql(_SQLITE, fresh)
     return {ident for ident in ids if ident not in there}
+
+
+async def insert_new_postgres(session: AsyncSession, values: list[list[Any]]) -> set[str]:
+    """PostgreSQL, in the session's transaction: one ``INSERT … SELECT * FROM unnest(…) ON CONFLICT DO NOTHING``;
+    the record ids inserted."""
+    connection = await session.connection()
+    await session.execute(text("SELECT 1"))  # the transaction is begun on the driver's connection
+    driver: Any = (await connection.get_raw_connection()).driver_connection
+    records = await driver.fetch(_POSTGRES, *(list(column) for column in zip(*values)))
+    return {r[0] for r in records}

@@ -69,6 +69,9 @@ class Lease:
     last_growth: int = 0
     used_at: float = field(default_factory=time.monotonic)
     chunk_requests: int = 0
+    # Used since ``tend`` last looked: a lease is idle only when a turn of ``tend`` finds it unused, so that a
+    # process that stalled (a pause of the machine) does not take its own stall for idleness.
+    used: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     growing: asyncio.Future[None] | None = None
 
@@ -125,6 +128,7 @@ class LeaseBook:
     def _carve(self, lease: Lease, amount: int) -> Hold:
         lease.room -= amount
         lease.used_at = time.monotonic()
+        lease.used = True
         if amount < lease.last_growth > 2 * lease.room and (lease.growing is None or lease.growing.done()):
             # A lease that grows by chunks (the budget is far from its limit) grows again in the background,
             # before its room runs out; near the limit, room is taken a request at a time.
@@ -270,7 +274,9 @@ class LeaseBook:
         clock = time.monotonic() if clock is None else clock
         for key, lease in list(self.leases.items()):
             ended = lease.budget.window(now)[0] != lease.start
-            if lease.room > 0 and (ended or clock - lease.used_at >= LEASE_IDLE_S):
+            idle = not lease.used and clock - lease.used_at >= LEASE_IDLE_S
+            lease.used = False
+            if lease.room > 0 and (ended or idle):
                 await self._give_back(lease)
             if ended and lease.room == 0:
                 del self.leases[key]

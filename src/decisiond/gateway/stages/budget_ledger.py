@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
 
 from ...errors import BudgetExceeded, DecisionError
 from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S, BUDGET_RESERVATION_TTL_S
@@ -256,84 +257,92 @@ class BudgetStore:
         ``start``, and up to ``chunk`` in all, in whole worst cases of ``amount`` (the request's), where a quarter of
         what is then free allows: (its id, the room granted). ``NoRoom`` when not even ``need`` is free. Expired
         holds of that window are released first."""
-        w, r = BudgetWindow, BudgetReservation
-        now_ms = int(time.time() * 1000)
-        async with self.db.session() as session, session.begin():
-            spent, reserved = await _locked_window(session, b.id, start)
-            reserved -= await self._release_expired(session, b.id, start, now_ms)
+        ttl_ms = self.reservation_ttl_ms
+
+        def run(connection: Connection) -> tuple[str, int]:
+            w, r = BudgetWindow, BudgetReservation
+            now_ms = int(time.time() * 1000)
+            spent, reserved = _locked_window(connection, b.id, start)
+            reserved -= _release_expired(connection, b.id, start, now_ms - ttl_ms)
             free = b.limit_nano - spent - reserved
             if free < need:
                 raise NoRoom(spent, reserved)
             # Whole requests' worst cases only: no lease keeps a fragment another replica could have used.
             extra = max(0, min(chunk - need, (free - need) // 4)) // amount * amount
             granted = need + extra
-            await session.execute(update(w).where(w.budget_id == b.id, w.window_start == start)
-                                  .values(reserved=reserved + granted))
+            connection.execute(update(w).where(w.budget_id == b.id, w.window_start == start)
+                               .values(reserved=reserved + granted))
             renewed = 0
             if lease is not None:
-                renewed = getattr(await session.execute(update(r).where(r.id == lease).values(
-                    amount=r.amount + granted, created_ms=now_ms)), "rowcount", 0)
-            if lease is None or renewed != 1:
-                lease = uuid.uuid4().hex
-                session.add(BudgetReservation(id=lease, budget_id=b.id, window_start=start, amount=granted,
-                                              created_ms=now_ms))
-        return lease, granted
+                renewed = connection.execute(update(r).where(r.id == lease).values(
+                    amount=r.amount + granted, created_ms=now_ms)).rowcount
+            ident = lease if lease is not None and renewed == 1 else uuid.uuid4().hex
+            if ident != lease:
+                connection.execute(insert(r).values(id=ident, budget_id=b.id, window_start=start, amount=granted,
+                                                    created_ms=now_ms))
+            return ident, granted
+
+        return await self.db.write(run)
 
     async def give_back(self, lease: str, budget: str, start: int, amount: int) -> None:
         """Return ``amount`` of a lease's room to its window (the hold deleted once it holds nothing)."""
-        r, w = BudgetReservation, BudgetWindow
-        async with self.db.session() as session, session.begin():
-            await _locked_window(session, budget, start)
-            left = (await session.execute(update(r).where(r.id == lease).values(amount=r.amount - amount)
-                                          .returning(r.amount))).first()
+        def run(connection: Connection) -> None:
+            r, w = BudgetReservation, BudgetWindow
+            _locked_window(connection, budget, start)
+            left = connection.execute(update(r).where(r.id == lease).values(amount=r.amount - amount)
+                                      .returning(r.amount)).first()
             if left is None:
                 return  # released for its age meanwhile: its room is back already
-            await session.execute(update(w).where(w.budget_id == budget, w.window_start == start)
-                                  .values(reserved=w.reserved - amount))
+            connection.execute(update(w).where(w.budget_id == budget, w.window_start == start)
+                               .values(reserved=w.reserved - amount))
             if left[0] <= 0:
-                await session.execute(delete(r).where(r.id == lease, r.amount <= 0))
+                connection.execute(delete(r).where(r.id == lease, r.amount <= 0))
+
+        await self.db.write(run)
 
     async def renew(self, leases: Iterable[str]) -> None:
         """Mark live leases as renewed now, so that no replica releases them for their age."""
         ids = sorted(leases)
         if not ids:
             return
-        r = BudgetReservation
-        async with self.db.session() as session, session.begin():
+
+        def run(connection: Connection) -> None:
+            r = BudgetReservation
             for ident in ids:  # one row at a time, in the one order every transaction takes holds in
-                await session.execute(update(r).where(r.id == ident).values(created_ms=int(time.time() * 1000)))
+                connection.execute(update(r).where(r.id == ident).values(created_ms=int(time.time() * 1000)))
 
-    async def _release_expired(self, session: Any, budget: str, start: int, now_ms: int) -> int:
-        """Release the window's holds not renewed within their time to live (each by exactly one transaction: the
-        DELETE returns only the rows it removed): the room they held, for the caller to take off ``reserved``."""
-        r = BudgetReservation
-        gone = (await session.execute(delete(r).where(r.budget_id == budget, r.window_start == start,
-                                                      r.created_ms < now_ms - self.reservation_ttl_ms)
-                                      .returning(r.amount))).all()
-        if not gone:
-            return 0
-        amount = sum(a for (a,) in gone)
-        log.warning("budget reservations released after their time to live: their replica stopped renewing them",
-                    extra={"budget": budget, "count": len(gone), "nanousd": amount})
-        return int(amount)
+        await self.db.write(run)
 
 
-async def _locked_window(session: Any, budget: str, start: int) -> tuple[int, int]:
+def _release_expired(connection: Connection, budget: str, start: int, before_ms: int) -> int:
+    """Release the window's holds not renewed since ``before_ms`` (each by exactly one transaction: the DELETE returns
+    only the rows it removed): the room they held, for the caller to take off ``reserved``."""
+    r = BudgetReservation
+    gone = connection.execute(delete(r).where(r.budget_id == budget, r.window_start == start,
+                                              r.created_ms < before_ms).returning(r.amount)).all()
+    if not gone:
+        return 0
+    amount = sum(a for (a,) in gone)
+    log.warning("budget reservations released after their time to live: their replica stopped renewing them",
+                extra={"budget": budget, "count": len(gone), "nanousd": amount})
+    return int(amount)
+
+
+def _locked_window(connection: Connection, budget: str, start: int) -> tuple[int, int]:
     """The window's (spent, reserved), made if missing, and locked for the rest of the transaction. Every
     transaction here locks windows before holds (windows in (budget, start) order, holds in id order), so that two
     never wait for each other (PostgreSQL would find the deadlock only after ``deadlock_timeout``, a second)."""
     w = BudgetWindow
-    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
-    # A write first: SQLite takes the database's write lock here, PostgreSQL the row's in the SELECT below.
-    await session.execute(insert(BudgetWindow).values(budget_id=budget, window_start=start, spent=0,
-                                                      reserved=0).on_conflict_do_nothing())
-    row = (await session.execute(select(w.spent, w.reserved).where(w.budget_id == budget, w.window_start == start)
-                                 .with_for_update())).one()
+    upsert = pg_insert if connection.dialect.name == "postgresql" else sqlite_insert
+    connection.execute(upsert(w).values(budget_id=budget, window_start=start, spent=0, reserved=0)
+                       .on_conflict_do_nothing())
+    row = connection.execute(select(w.spent, w.reserved).where(w.budget_id == budget, w.window_start == start)
+                             .with_for_update()).one()
     return int(row[0]), int(row[1])
 
 
-async def apply_charges(session: Any, charges: Iterable[Charge]) -> None:
-    """Settle ``charges`` in ``session``'s transaction (the usage writer's, as it inserts their usage rows): each
+def apply_charges(connection: Connection, charges: Iterable[Charge]) -> None:
+    """Settle ``charges`` in ``connection``'s transaction (the usage writer's, as it inserts their usage rows): each
     hold still there gives up what its requests held (a hold already released for its age frees nothing twice; one
     that reaches 0 is deleted), and the actual costs are added to their windows' spend — one UPDATE per hold and one
     per window, whatever the number of charges; windows locked first, as every transaction here does."""
@@ -347,18 +356,18 @@ async def apply_charges(session: Any, charges: Iterable[Charge]) -> None:
             held[c.hold_id] = held.get(c.hold_id, 0) + c.held
     windows = sorted(spent)
     for budget, start in windows:
-        await _locked_window(session, budget, start)
+        _locked_window(connection, budget, start)
     released: dict[tuple[str, int], int] = {}
     for hold, amount in sorted(held.items()):
-        row = (await session.execute(update(r).where(r.id == hold).values(amount=r.amount - amount)
-                                     .returning(r.amount, r.budget_id, r.window_start))).first()
+        row = connection.execute(update(r).where(r.id == hold).values(amount=r.amount - amount)
+                                 .returning(r.amount, r.budget_id, r.window_start)).first()
         if row is None:
             continue
         released[(row[1], row[2])] = released.get((row[1], row[2]), 0) + amount
         if row[0] <= 0:
-            await session.execute(delete(r).where(r.id == hold, r.amount <= 0))
+            connection.execute(delete(r).where(r.id == hold, r.amount <= 0))
     for budget, start in windows:
         cost, free = spent[(budget, start)], released.get((budget, start), 0)
         if cost or free:
-            await session.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
+            connection.execute(update(w).where(w.budget_id == budget, w.window_start == start).values(
                 reserved=w.reserved - free, spent=w.spent + cost))
