@@ -125,11 +125,11 @@ def test_a_lease_grows_ahead_of_need(tmp_path):
         await replica.book.admit([view], worst)  # the first growth: 256 worst cases
         (lease,) = replica.book.leases.values()
         assert lease.room == 255 * worst and replica.grows == 1
-        for _ in range(128):  # down to half: the next growth starts, beside the requests
+        for _ in range(64):  # down to three quarters: the next growth starts, beside the requests
             assert replica.book.admit_now([view], worst) is not None
         assert lease.growing is not None
         await lease.growing
-        assert replica.grows == 2 and lease.room == 127 * worst + 512 * worst
+        assert replica.grows == 2 and lease.room == 191 * worst + 512 * worst
         await db.aclose()
 
     asyncio.run(main())

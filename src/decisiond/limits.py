@@ -96,6 +96,10 @@ USAGE_CUT_MARKER = "…[cut]"
 USAGE_PING_TIMEOUT_S = 5.0
 # Seconds to connect to PostgreSQL (start-up fails with one line after that; later, a write is retried).
 DATABASE_CONNECT_TIMEOUT_S = 10.0
+# A SQLite write transaction (``Database.write``) waits this long in all for the file's write lock, asking for it
+# again every SQLITE_LOCK_POLL_S.
+SQLITE_LOCK_WAIT_S = 5.0
+SQLITE_LOCK_POLL_S = 0.002
 # Budgets: the list is re-read from the database this often (a change on another replica is seen within it); a
 # reservation waits at most BUDGET_DB_TIMEOUT_S for the database (then 503; settlements ride on usage rows).
 BUDGET_CACHE_S = 2.0

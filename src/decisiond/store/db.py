@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -23,7 +24,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from ..limits import DATABASE_CONNECT_TIMEOUT_S
+from ..limits import DATABASE_CONNECT_TIMEOUT_S, SQLITE_LOCK_POLL_S, SQLITE_LOCK_WAIT_S
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 T = TypeVar("T")
@@ -143,7 +144,8 @@ class Database:
         if resolved.startswith("sqlite"):
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
             writer = create_engine(resolved.replace("sqlite+aiosqlite", "sqlite+pysqlite", 1),
-                                   connect_args={"isolation_level": None, "check_same_thread": False})
+                                   connect_args={"isolation_level": None, "check_same_thread": False,
+                                                 "timeout": SQLITE_LOCK_POLL_S})
             event.listen(writer, "connect", _sqlite_pragmas)
             event.listen(writer, "begin", _begin_immediate)
         db = cls(engine, writer)
@@ -170,12 +172,22 @@ class Database:
         """``fn(connection)`` in one transaction, committed when it returns. SQLite: run whole in a thread on a
         plain connection that begins with ``BEGIN IMMEDIATE``, so that the file's one write lock is held only while
         ``fn`` runs — never across turns of a busy event loop, where another process's writes would wait on it.
-        PostgreSQL (row locks): on the async connection (``run_sync``)."""
+        PostgreSQL (row locks): on the async connection (``run_sync``). ``fn`` may be run again after a lock it
+        waited for too long (its transaction rolled back): it only reads and writes the database."""
         writer = self.writer
         if writer is not None:
             def run() -> T:
-                with writer.begin() as connection:
-                    return fn(connection)
+                # SQLite's own wait for a lock sleeps in steps of up to 100 ms, and another process may take the
+                # lock back meanwhile: it is asked again every few milliseconds here instead, up to the same wait.
+                deadline = time.monotonic() + SQLITE_LOCK_WAIT_S
+                while True:
+                    try:
+                        with writer.begin() as connection:
+                            return fn(connection)
+                    except OperationalError as error:
+                        if "locked" not in str(error.orig) or time.monotonic() > deadline:
+                            raise
+                    time.sleep(SQLITE_LOCK_POLL_S)
 
             return await asyncio.to_thread(run)
         async with self.engine.begin() as connection:

@@ -4,8 +4,8 @@
 - A request is admitted when every budget that applies has its worst case in this process's lease of the budget's
   current window, all or none. A lease short of it grows first (``BudgetStore.grow``: the shortfall, and up to
   ``LEASE_CHUNK_REQUESTS`` worst cases more — twice as many at each growth of a lease in use — where a quarter of the
-  budget's free room allows), one growth at a time per lease; a lease that grew by a chunk and is down to half of it
-  grows in the background, so that the next requests need not wait.
+  budget's free room allows), one growth at a time per lease; a lease that grew by a chunk and is down to three
+  quarters of it grows in the background, so that the next requests need not wait.
 - A request's worst case is carved out of its lease while it runs. When it ends, what it did not use goes back to
   the lease at once, and its charge (``types.Charge``) carries its real cost to the usage writer, which moves that
   much from the lease's hold to the spend in the database (an upstream that billed more than the worst case: the
@@ -129,7 +129,8 @@ class LeaseBook:
         lease.room -= amount
         lease.used_at = time.monotonic()
         lease.used = True
-        if amount < lease.last_growth > 2 * lease.room and (lease.growing is None or lease.growing.done()):
+        if amount < lease.last_growth and 4 * lease.room < 3 * lease.last_growth and (
+                lease.growing is None or lease.growing.done()):
             # A lease that grows by chunks (the budget is far from its limit) grows again in the background,
             # before its room runs out; near the limit, room is taken a request at a time.
             lease.growing = self._growth(lease, amount, ahead=True)
@@ -233,9 +234,9 @@ class LeaseBook:
             task.exception()  # no room, or the database: whoever waits on it finds out; nobody else needs to
 
     async def _take(self, lease: Lease, amount: int, ahead: bool = False) -> None:
-        """Grow ``lease`` so that it holds ``amount`` (or, ``ahead`` of need, more than half its last growth)."""
+        """Grow ``lease`` so that it holds ``amount`` (or, ``ahead`` of need, three quarters of its last growth)."""
         async with lease.lock:
-            if lease.room >= amount and not (ahead and 2 * lease.room < lease.last_growth):
+            if lease.room >= amount and not (ahead and 4 * lease.room < 3 * lease.last_growth):
                 return
             need = amount - lease.room if lease.room < amount else amount  # ahead: at least one request more
             # Each growth of a lease in use takes twice the last (up to the quarter of the free room the ledger
