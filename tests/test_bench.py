@@ -84,9 +84,10 @@ def test_bench_gateway_end_to_end(tmp_path):
             assert row["rate"] > 0 and row["errors"] == 0 and row["non_2xx"] == 0, (name, clients, row)
     (budget,) = report["budgets"]
     assert budget["exact"] and budget["refused"] > 0 and budget["spent_usd"] <= budget["limit_usd"] + 1e-12
-    assert set(report["shared"]) == {"1", "2"} and all(rate > 0 for rate in report["shared"].values())
+    assert set(report["shared"]) == {"keyed", "keyless"}
+    assert all(set(by) == {"1", "2"} and min(by.values()) > 0 for by in report["shared"].values())
     text = out.read_text()
-    assert "| keyless |" in text and "One budget (keyed, SQLite)" in text
+    assert "| keyless |" in text and "One budget shared by the workers" in text
 
 
 def test_the_mock_upstream_answers_every_question_asked_and_nothing_else():

@@ -216,26 +216,30 @@ def budget_check(bench: Bench, upstream: Server, rate: float, workers: int) -> d
         server.stop()
 
 
-def shared_budget(bench: Bench, upstream: Server, clients: int) -> dict[int, float]:
-    """Requests a second that one budget (with room for all of them) admits, served by 1 and by 2 workers."""
-    rates: dict[int, list[float]] = {1: [], 2: []}
-    servers = {}
+def shared_budget(bench: Bench, upstream: Server, clients: int, rounds: int) -> dict[str, dict[int, float]]:
+    """Requests a second served by 1 and by 2 workers: keyed on SQLite, one budget (with room for all of them)
+    shared by the workers; and keyless, which shares nothing (the machine's own ceiling for a second worker)."""
+    rates: dict[str, dict[int, list[float]]] = {"keyed": {1: [], 2: []}, "keyless": {1: [], 2: []}}
+    servers: dict[tuple[str, int], Server] = {}
     try:
-        for workers in rates:
-            server = bench.decisiond(f"shared-{workers}", config(upstream.url, keyed=True), workers)
-            server.auth = managed_key(server, 1e6)[0]
-            load.run(server.url, BODY, 4, 1, server.auth)
-            servers[workers] = server
-        for _ in range(2):  # interleaved
-            for workers, server in servers.items():
+        for kind in rates:
+            for workers in (1, 2):
+                server = bench.decisiond(f"shared-{kind}-{workers}", config(upstream.url, keyed=kind == "keyed"),
+                                         workers)
+                if kind == "keyed":
+                    server.auth = managed_key(server, 1e6)[0]
+                load.run(server.url, BODY, 4, 1, server.auth)
+                servers[(kind, workers)] = server
+        for _ in range(rounds):  # interleaved
+            for (kind, workers), server in servers.items():
                 result = load.run(server.url, BODY, clients, bench.seconds, server.auth)
-                rates[workers].append(result.rate)
-                bench.log(f"one budget, {workers} worker(s), {clients} clients: {result.rate:,.0f}/s, "
+                rates[kind][workers].append(result.rate)
+                bench.log(f"{kind}, {workers} worker(s), {clients} clients: {result.rate:,.0f}/s, "
                           f"errors {result.errors}, non-2xx {result.non_2xx}")
     finally:
         for server in servers.values():
             server.stop()
-    return {workers: statistics.median(r) for workers, r in rates.items()}
+    return {kind: {w: statistics.median(r) for w, r in by.items()} for kind, by in rates.items()}
 
 
 def run(workers: int = 1, seconds: float = 8, rounds: int = 2, clients: list[int] | None = None,
@@ -262,7 +266,7 @@ def run(workers: int = 1, seconds: float = 8, rounds: int = 2, clients: list[int
                     server.stop()
             sqlite_rate = median(results["keyed-sqlite"][10 if 10 in clients else clients[-1]])["rate"]
             budgets = [budget_check(bench, upstream, sqlite_rate, workers)]
-            shared = shared_budget(bench, upstream, 64 if 64 in clients else clients[-1])
+            shared = shared_budget(bench, upstream, 64 if 64 in clients else clients[-1], rounds + 1)
         finally:
             for server in bench.servers:
                 server.stop()
@@ -303,7 +307,10 @@ def markdown(report: dict[str, Any], command: str) -> str:
         lines.append(f"| {b['workers']} | ${b['limit_usd']:.4f} | ${b['spent_usd']:.4f} | "
                      f"${b['answered_x_price']:.4f} | {b['answered']:,} | {b['refused']:,} | {b['errors']} | "
                      f"{'yes' if b['exact'] else 'NO'} |")
-    one, two = report["shared"][1], report["shared"][2]
-    lines += ["", f"One budget (keyed, SQLite), {report['shared_clients']} clients: {one:,.0f} requests/s admitted by "
-              f"one worker, {two:,.0f}/s by two: {two / max(one, 1e-9):.2f}×."]
+    keyed, keyless = report["shared"]["keyed"], report["shared"]["keyless"]
+    lines += ["", f"One budget shared by the workers (keyed, SQLite), {report['shared_clients']} clients: "
+              f"{keyed[1]:,.0f} requests/s admitted by one worker, {keyed[2]:,.0f}/s by two: "
+              f"**{keyed[2] / max(keyed[1], 1e-9):.2f}×**; keyless, sharing nothing, on the same two cores (with the "
+              f"load and the upstream): {keyless[1]:,.0f}/s and {keyless[2]:,.0f}/s, "
+              f"{keyless[2] / max(keyless[1], 1e-9):.2f}×."]
     return "\n".join(lines) + "\n"
