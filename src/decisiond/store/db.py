@@ -143,6 +143,7 @@ class Database:
         writer = None
         if resolved.startswith("sqlite"):
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        if resolved.startswith("sqlite") and make_url(resolved).database not in (None, "", ":memory:"):  # a file
             writer = create_engine(resolved.replace("sqlite+aiosqlite", "sqlite+pysqlite", 1),
                                    connect_args={"isolation_level": None, "check_same_thread": False,
                                                  "timeout": SQLITE_LOCK_POLL_S})
