@@ -115,3 +115,13 @@ def test_models_it_does_not_compute_exactly_keep_transformers_forward(tokenizer)
     assert LlamaDecoder.of(tiny_loaded(tokenizer, attn_implementation="eager").model) is None
     assert TransformersBackend(tiny_loaded(tokenizer, dtype="bfloat16").model).decoder is None
     assert TransformersBackend(tiny_loaded(tokenizer).model).decoder is not None
+
+
+def test_a_backend_changes_no_process_wide_setting(tokenizer):
+    """The choice to let SDPA read grouped KV heads is the decoder's, in its own calls: building a backend leaves
+    the environment (and so every other model in the process) as it was."""
+    import os
+
+    before = dict(os.environ)
+    TransformersBackend(tiny_loaded(tokenizer).model)
+    assert dict(os.environ) == before

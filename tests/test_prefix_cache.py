@@ -107,3 +107,40 @@ def test_memory_freed_between_live_blocks_goes_back_to_the_system():
     out = subprocess.run([sys.executable, "-c", RELEASE_CHECK], capture_output=True, text=True, check=True).stdout
     released, before, after = out.split()
     assert released == "True" and float(before) - float(after) > 150, out
+
+
+def test_an_entry_replaced_by_its_extension_frees_only_what_the_extension_does_not_hold():
+    cache = PrefixCache(max_bytes=1000)
+    cache.put(doc(0), "document", [("document", 400)])
+    cache.put(doc(0) + [50], "asked", [("document", 400), ("tail", 10)])  # replaces the document's entry
+    assert len(cache) == 1 and cache.bytes == 410
+    assert cache.take_evicted() == 0  # nothing was freed: the extension holds the document's block
+
+
+def test_a_prefix_cache_of_size_zero_never_trims(tiny, monkeypatch):
+    """``--prefix-cache-mb 0`` turns the cache off: it holds nothing, frees nothing, and ``malloc_trim`` never runs."""
+    from decisiond.engine.backends import transformers as backend_module
+    from decisiond.engine.backends.base import Group
+
+    trims: list[int] = []
+    monkeypatch.setattr(backend_module, "release_freed", lambda: trims.append(1) or True)
+    backend = backend_module.TransformersBackend(tiny.model, "tiny", 64, prefix_cache_bytes=0)
+    document = list(range(100, 300))
+    backend.score([Group([document + [7, 8], document + [9]], [[5, 6], [5, 6]]), Group([[1, 2, 3]], [[5, 6]])])
+    assert backend.stats.passes > 3 and trims == []
+
+
+def test_glibc_is_found_without_a_subprocess(monkeypatch):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc: Linux only")
+    from decisiond.engine import memory
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("a subprocess was started to find the C library")
+
+    monkeypatch.setattr(subprocess, "Popen", no_subprocess)
+    memory._libc.cache_clear()
+    try:
+        assert memory._libc() is not None and memory.release_freed() in (True, False)
+    finally:
+        memory._libc.cache_clear()

@@ -188,6 +188,28 @@ def test_large_requests_go_in_short_passes_and_small_ones_in_full_passes(tiny, m
             assert got == pytest.approx(inner.reference(prompt, LABELS[0]), abs=1e-4)
 
 
+def test_small_requests_behind_a_waiting_large_one_go_as_one_run(tiny):
+    """While one large run is open and another large request heads the queue, the small requests queued behind it
+    are batched as usual: eight 30-token requests are one run (one pass over the weights), not eight."""
+    runs: list[int] = []
+
+    class Runs(Stepper):
+        def steps(self, groups):
+            runs.append(len(groups))
+            return (yield from super().steps(groups))
+
+    scheduler = Scheduler(Runs(backend(tiny, 256)), max_batch_tokens=256, max_wait_s=0)
+    release = blocked(scheduler)
+    first = scheduler.submit(document_prompts(2, list(range(600, 1000))), LABELS * 2)
+    second = scheduler.submit(document_prompts(2, list(range(1000, 1400))), LABELS * 2)
+    small = [scheduler.submit([list(range(3000 + 40 * i, 3030 + 40 * i))], LABELS) for i in range(8)]
+    assert [ticket.job.size for ticket in small] == [30] * 8
+    release.set()
+    for ticket in [first, second, *small]:
+        ticket.future.result(60)
+    assert sorted(runs) == [1, 1, 8], runs
+
+
 def test_a_large_request_right_after_a_small_one_goes_in_short_passes(tiny, monkeypatch):
     """A client that sends its next small request when the last is answered finds the document in a short pass:
     for a moment after a small run is answered, a large run's passes stay short, though it runs alone. Otherwise (a

@@ -14,7 +14,6 @@ than glibc it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 from typing import Any
@@ -24,11 +23,12 @@ RELEASE_EVERY = 4  # release once a 1/RELEASE_EVERY of the prefix cache's budget
 
 @functools.cache
 def _libc() -> Any:
-    """glibc, where this process has it (``None`` elsewhere)."""
+    """glibc, where this process has it (``None`` elsewhere): the C library already loaded into the process, looked
+    up without ``ctypes.util.find_library`` (which runs ``ldconfig`` or a compiler in a subprocess)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, "malloc_trim") else None

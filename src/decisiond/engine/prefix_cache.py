@@ -76,7 +76,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        self.evicted = 0  # bytes evicted since the owner last took the count (``take_evicted``); read freely
+        self.evicted = 0  # bytes freed since the owner last took the count (``take_evicted``); read freely
         # key -> (tokens as an array for fast comparison, value, its parts)
         self._data: OrderedDict[tuple[int, ...], tuple[np.ndarray, Any, list[tuple[Hashable, int]]]] = OrderedDict()
         # part id -> (bytes, values holding it)
@@ -110,18 +110,21 @@ class PrefixCache:
             return False
         array = np.asarray(key, dtype=np.int64)
         with self._lock:
-            for other, (other_array, _, _) in list(self._data.items()):
+            replaced = []
+            for other, (other_array, _, _) in self._data.items():
                 shared = _shared(other_array, array)
                 if shared == len(key):  # an entry holds these tokens already
                     self._data.move_to_end(other)
                     return False
                 if shared == len(other):
-                    self._drop(other)
+                    replaced.append(other)
             self._data[key] = (array, value, list(parts))
             for part, size in parts:
                 held = self._parts.setdefault(part, [size, 0])
                 held[1] += 1
                 self.bytes += size if held[1] == 1 else 0
+            for other in replaced:  # after the new entry holds its parts: the parts they share are not freed
+                self._drop(other)
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._data)))
             return True
@@ -144,7 +147,8 @@ class PrefixCache:
                 self.evicted += size
 
     def take_evicted(self) -> int:
-        """The bytes evicted since the last call (the owner then returns freed memory to the system)."""
+        """The bytes freed since the last call: parts no entry holds any longer (the owner then returns freed memory
+        to the system)."""
         with self._lock:
             evicted, self.evicted = self.evicted, 0
             return evicted

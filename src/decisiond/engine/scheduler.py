@@ -327,20 +327,24 @@ class Scheduler:
         """Waiting jobs into runs: small runs at once, large ones while fewer than ``MAX_LARGE_RUNS`` are open."""
         while self._waiting:
             large = sum(1 for r in self._running if self._large(r.size))
-            first = self._waiting[0]
-            if self._large(first.size) and large >= MAX_LARGE_RUNS:
-                small = next((j for j in self._waiting if not self._large(j.size)), None)
-                if small is None:
+            if self._large(self._waiting[0].size) and large >= MAX_LARGE_RUNS:
+                # The large job at the head waits for its turn; the small ones behind it go, batched as usual.
+                batch, size = [], 0
+                for job in [j for j in self._waiting if not self._large(j.size)]:
+                    if batch and size + job.size > self.max_batch_tokens:
+                        break
+                    self._waiting.remove(job)
+                    batch.append(job)
+                    size += job.size
+                if not batch:
                     return
-                self._waiting.remove(small)
-                batch = [small]
             else:
                 batch = [self._waiting.popleft()]
-            size = batch[0].size
-            while self._waiting and size + self._waiting[0].size <= self.max_batch_tokens:
-                job = self._waiting.popleft()
-                batch.append(job)
-                size += job.size
+                size = batch[0].size
+                while self._waiting and size + self._waiting[0].size <= self.max_batch_tokens:
+                    job = self._waiting.popleft()
+                    batch.append(job)
+                    size += job.size
             self._running.append(Run(batch, stepwise(self.backend, [j.group for j in batch]), size))
 
     def _step(self, run: Run) -> None:

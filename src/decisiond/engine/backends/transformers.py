@@ -31,7 +31,6 @@ Models whose attention is not plain causal over the whole context (sliding windo
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +43,7 @@ from ..memory import RELEASE_EVERY, release_freed
 from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
-from .decoder import LlamaDecoder, sdpa_reads_grouped_heads
+from .decoder import LlamaDecoder
 
 # Rows of question tails are packed to at most one pass (``step_budget``) and at least this many tokens: passes are
 # cut small while other requests wait, and one row a pass then reads its document's KV once.
@@ -101,11 +100,6 @@ class TransformersBackend:
         self.bool_mask = impl == "sdpa"
         # Llama models run through ``decoder`` (the same function in fewer operations), others through transformers.
         self.decoder = LlamaDecoder.of(model) if self.packing else None
-        if sdpa_reads_grouped_heads(self.device):
-            # Given a mask, transformers copies each KV head once for every query head it serves before calling SDPA
-            # (three copies of a document's KV for SmolLM2, per layer and pass); torch's SDPA reads grouped heads
-            # itself (``enable_gqa``), with the same results, a third faster over a long cached document on a CPU.
-            os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
         # Padded tokens the next pass may take: ``max_batch_tokens``, or less while other requests wait (the
         # scheduler sets it before each step).
         self.step_budget = max_batch_tokens
@@ -222,8 +216,9 @@ class TransformersBackend:
         return chain
 
     def _release_evicted(self) -> None:
-        """Once the prefix cache has evicted a share of its budget, give that memory back to the system (``memory``)."""
-        if self.prefixes.evicted * RELEASE_EVERY >= self.prefixes.max_bytes:
+        """Once the prefix cache has freed a share of its budget, give that memory back to the system (``memory``);
+        a cache that holds nothing (``--prefix-cache-mb 0``) frees nothing, and never trims."""
+        if self.prefixes.evicted and self.prefixes.evicted * RELEASE_EVERY >= self.prefixes.max_bytes:
             self.prefixes.take_evicted()
             release_freed()
 
