@@ -42,10 +42,10 @@ QUERY_BLOCK = 64
 
 
 def sdpa_reads_grouped_heads(device: torch.device) -> bool:
-    """Whether attention passes grouped KV heads to SDPA as they are (``enable_gqa``): on a CPU with torch 2.5 or later,
-    where it gives the same results as KV heads repeated for every query head, without the copies (not every GPU
-    kernel takes ``enable_gqa``)."""
-    return device.type == "cpu" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+    """Whether attention passes grouped KV heads to SDPA as they are (``enable_gqa``): on a CPU, where it gives the
+    same results as KV heads repeated for every query head, without the copies (not every GPU kernel takes
+    ``enable_gqa`` with a mask)."""
+    return device.type == "cpu"
 
 
 def _fold(mask: torch.Tensor, group: int) -> torch.Tensor:
