@@ -31,6 +31,7 @@ Models whose attention is not plain causal over the whole context (sliding windo
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ from ..packing import PackedRow, common_prefix, pack, split_rows
 from ..prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .base import Group, Scored, Steps, run_steps
 from .decoder import LlamaDecoder
+
+log = logging.getLogger("decisiond.engine")
 
 # Rows of question tails are packed to at most one pass (``step_budget``) and at least this many tokens: passes are
 # cut small while other requests wait, and one row a pass then reads its document's KV once.
@@ -100,6 +103,7 @@ class TransformersBackend:
         self.bool_mask = impl == "sdpa"
         # Llama models run through ``decoder`` (the same function in fewer operations), others through transformers.
         self.decoder = LlamaDecoder.of(model) if self.packing else None
+        log.info("model %s (%s) is served by %s", name or "(unnamed)", type(model).__name__, self.path)
         # Padded tokens the next pass may take: ``max_batch_tokens``, or less while other requests wait (the
         # scheduler sets it before each step).
         self.step_budget = max_batch_tokens
@@ -114,6 +118,17 @@ class TransformersBackend:
 
     def describe(self) -> str:
         return self.description or f"{self.name} (transformers)"
+
+    @property
+    def path(self) -> str:
+        """Which forward pass computes this model's answers, and why (logged once the backend is built)."""
+        if self.decoder is not None:
+            return "decisiond's Llama decoder, in packed passes with a prefix cache"
+        if self.packing:
+            return ("transformers' forward pass, in packed passes with a prefix cache (the Llama decoder covers "
+                    "float32 LlamaForCausalLM models with SDPA attention and silu MLPs only)")
+        return ("one plain transformers forward pass per prompt, without packing or a prefix cache (its attention "
+                "is not causal over the whole context: a sliding window or mixed layer types)")
 
     # ------------------------------------------------------------------------------------ scoring
 
