@@ -322,7 +322,7 @@ def test_cache_keeps_only_answers_that_escalated_nothing(ups, tiny_engine):
 
 def test_budgets_reserve_every_steps_worst_case(ups, tiny_engine):
     gateway = gateway_for(ups, tiny_engine, 0.8)
-    stage = BudgetStage(lambda: None, gateway.router)
+    stage = BudgetStage(lambda: None, gateway.router.catalog)
     request = openai_dialect.parse_request(openai_body("triage"))
 
     def worst(name: str) -> int:

@@ -103,7 +103,7 @@ def test_concurrent_requests_are_batched_and_still_exact(smol_engine):
     requests = [DecisionRequest((Message("user", (Text(t),)),), questions()[:3]) for t in TICKETS * 3]
     by_ticket = [reference_probabilities(smol_engine, r) for r in requests[:len(TICKETS)]]
     expected = by_ticket * 3
-    before = (scheduler.stats.passes, scheduler.stats.jobs, scheduler.stats.joined)
+    before = (scheduler.stats.runs, scheduler.stats.jobs, scheduler.stats.joined)
     scheduler.max_wait_s = 0.2  # give the threads time to queue up together
     results: list = [None] * len(requests)
     try:
@@ -115,11 +115,11 @@ def test_concurrent_requests_are_batched_and_still_exact(smol_engine):
             t.join()
     finally:
         scheduler.max_wait_s = 0.002
-    passes, jobs = scheduler.stats.passes - before[0], scheduler.stats.jobs - before[1]
+    runs, jobs = scheduler.stats.runs - before[0], scheduler.stats.jobs - before[1]
     joined = scheduler.stats.joined - before[2]
     # Each ticket three times: identical requests in flight together join one computation.
     assert jobs + joined == len(requests) and jobs >= len(TICKETS)
-    assert passes < jobs  # several requests shared forward passes
+    assert runs < jobs  # several requests shared a run (its forward passes)
     for result, probs in zip(results, expected):
         for answer, p in zip(result.answers, probs):
             assert answer.probabilities == pytest.approx(p, abs=1e-4)

@@ -12,8 +12,9 @@ import pytest
 
 from decisiond.canonical import DecisionRequest, Message, Question, ScoreRequest, ScoreResult, Text
 from decisiond.errors import DecisionError
+from decisiond.gateway.catalog import Catalog, Target
 from decisiond.gateway.providers.base import Provider
-from decisiond.gateway.router import Router, Target
+from decisiond.gateway.router import Router
 from decisiond.gateway.settings import ProviderConfig
 from decisiond.gateway.stages.cache import cache_key
 from decisiond.server.metrics import EngineCollector
@@ -99,8 +100,8 @@ def router():
     models = {"s/scorer-1": Target("s/scorer-1", scorer, "scorer-1", description=scorer.describe()),
               "plain": Target("plain", plain, "up")}
     aliases = {"s/default": "s/scorer-1", "scorer-1": "s/scorer-1"}  # its own model's other spellings
-    return Router({"s": scorer, "p": plain}, models, default_model="s/scorer-1", aliases=aliases,
-                  allow_raw_upstreams=True), scorer, plain
+    return Router(Catalog({"s": scorer, "p": plain}, models, default_model="s/scorer-1", aliases=aliases,
+                          allow_raw_upstreams=True)), scorer, plain
 
 
 def test_score_goes_to_the_provider_that_declares_it():

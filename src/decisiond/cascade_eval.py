@@ -41,7 +41,7 @@ class Calls:
         self.made: dict[tuple[str, int, tuple[int, ...]], tuple[DecisionResult, list[Target]]] = {}
 
     def ask(self, item: int) -> cascade.Ask:
-        async def ask(request: DecisionRequest, step: str, gate: cascade.StepGate) -> DecisionResult:
+        async def ask(request: DecisionRequest, step: str, gate: cascade.Gate) -> DecisionResult:
             key = (step, item, tuple(id(q) for q in request.questions))
             if key not in self.made:
                 tried: list[Target] = []
@@ -50,7 +50,7 @@ class Calls:
                     tried.append(target)
                     return contextlib.nullcontext()
 
-                result = await self.router.decide(request, self.router.canonical(step) or step, note)
+                result = await self.router.decide(request, self.router.catalog.canonical(step) or step, note)
                 self.made[key] = (result, tried)
             result, tried = self.made[key]
             for target in tried:  # the cascade's step learns who answered, as on a live call
@@ -66,7 +66,7 @@ async def _answer(router: Router, calls: Calls, number: int, item: LabeledItem, 
     request = dataclasses.replace(item.request, model=None)
     thresholds = [threshold] * (len(steps) - 1)
     result = await cascade.run(request, steps, thresholds, calls.ask(number),
-                               lambda asked, step: router.first_target(asked, step) is not None,
+                               lambda asked, step: router.catalog.first_target(asked, step) is not None,
                                lambda target: contextlib.nullcontext(), made.append)
     return result, made
 
@@ -76,8 +76,8 @@ async def sweep(router: Router, name: str, items: list[LabeledItem], thresholds:
     """The report: per threshold (and the two references) escalated share, accuracy, log loss, cost per 1,000."""
     from tqdm import tqdm
 
-    canonical = router.canonical(name) or name
-    steps = router.cascade_steps(canonical)
+    canonical = router.catalog.canonical(name) or name
+    steps = router.catalog.cascade_steps(canonical)
     if steps is None:
         raise ValueError(f"{name!r} is not a cascade of this config (strategy: cascade)")
     calls = Calls(router)

@@ -172,7 +172,7 @@ def test_no_decision_model_configured_is_a_404(tmp_path):
 
     for name in ("chat", "anything"):
         with pytest.raises(DecisionError) as e:
-            router.resolve_name(name, strict=True)
+            router.catalog.resolve_name(name, strict=True)
         assert e.value.status == 404 and e.value.code == "model_not_found"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -66,6 +67,14 @@ def default_prefix_cache_bytes(weight_bytes: int, kv_bytes_per_token: int, conte
     return max(0, min(kv_bytes_per_token * context_length, weight_bytes // 2))
 
 
+@dataclass
+class _Part:
+    """A part of the cached values' memory: its ``size`` in bytes and how many values hold it."""
+
+    size: int
+    holders: int = 0
+
+
 class PrefixCache:
     """Least recently used values keyed by token prefixes, at most ``max_bytes`` in all.
 
@@ -79,8 +88,7 @@ class PrefixCache:
         self.evicted = 0  # bytes freed since the owner last took the count (``take_evicted``); read freely
         # key -> (tokens as an array for fast comparison, value, its parts)
         self._data: OrderedDict[tuple[int, ...], tuple[np.ndarray, Any, list[tuple[Hashable, int]]]] = OrderedDict()
-        # part id -> (bytes, values holding it)
-        self._parts: dict[Hashable, list[int]] = {}
+        self._parts: dict[Hashable, _Part] = {}
         self._lock = threading.Lock()
 
     def longest(self, tokens: Sequence[int]) -> tuple[int, Any]:
@@ -120,9 +128,9 @@ class PrefixCache:
                     replaced.append(other)
             self._data[key] = (array, value, list(parts))
             for part, size in parts:
-                held = self._parts.setdefault(part, [size, 0])
-                held[1] += 1
-                self.bytes += size if held[1] == 1 else 0
+                counted = self._parts.setdefault(part, _Part(size))
+                counted.holders += 1
+                self.bytes += size if counted.holders == 1 else 0
             for other in replaced:  # after the new entry holds its parts: the parts they share are not freed
                 self._drop(other)
             while self.bytes > self.max_bytes:
@@ -139,9 +147,9 @@ class PrefixCache:
     def _drop(self, key: tuple[int, ...]) -> None:
         _, _, parts = self._data.pop(key)
         for part, size in parts:
-            held = self._parts[part]
-            held[1] -= 1
-            if not held[1]:
+            counted = self._parts[part]
+            counted.holders -= 1
+            if not counted.holders:
                 del self._parts[part]
                 self.bytes -= size
                 self.evicted += size

@@ -49,7 +49,7 @@ from typing import Any
 
 from ..errors import LimitExceeded, Unavailable
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
-from .backends.base import Backend, Group, Scored, Steps, check_finite, stepwise
+from .backends.base import Backend, Group, PacedBackend, Scored, Steps, check_finite, stepwise
 
 log = logging.getLogger("decisiond.scheduler")
 
@@ -105,6 +105,16 @@ class Ticket:
         return self.job.group
 
 
+@dataclass(frozen=True)
+class RetryReservation:
+    """Room kept for the retry of the first request refused for room: its job ``key``, its ``size`` in tokens, and
+    when the reservation lapses (``time.monotonic()``)."""
+
+    key: tuple[Any, ...]
+    size: int
+    expires: float
+
+
 @dataclass
 class Call:
     """Other model work, run on the worker between passes."""
@@ -124,17 +134,16 @@ class Run:
 
 @dataclass
 class Stats:
-    batches: int = 0  # runs completed
+    """The scheduler's counters. A *run* is a batch of jobs handed to the backend at once; a *step* is one of its
+    forward passes (the backend counts its own passes in ``backends.transformers.Stats.passes``)."""
+
+    runs: int = 0  # runs completed
     jobs: int = 0  # jobs answered
     joined: int = 0  # submissions that joined an identical job
     cancelled: int = 0  # jobs dropped or stopped because every caller had gone
     refused: int = 0  # submissions refused by admission control
-    steps: int = 0  # forward passes (steps) taken
+    steps: int = 0  # steps taken
     prompt_tokens: int = 0  # prompt tokens of answered jobs
-
-    @property
-    def passes(self) -> int:  # the old name: runs handed to the backend
-        return self.batches
 
 
 class Scheduler:
@@ -158,8 +167,8 @@ class Scheduler:
         self._calls: deque[Call] = deque()
         self._running: list[Run] = []
         self._inflight: dict[tuple[Any, ...], Job] = {}
-        # (job key, size, expiry): the request refused first, whose retry is admitted before others.
-        self._reservation: tuple[tuple[Any, ...], int, float] | None = None
+        # The request refused first, whose retry is admitted before others.
+        self._reservation: RetryReservation | None = None
         self._thread: threading.Thread | None = None
         self._small_answered_at = -math.inf  # when a small run last finished (``_step_budget``)
 
@@ -213,18 +222,19 @@ class Scheduler:
         retry (the same prompts) comes back: others are admitted only into the room it leaves, so a large request
         is not starved by a stream of small ones."""
         now = time.monotonic()
-        held = self._reservation
-        if held is not None and (held[2] < now or held[0] == key):
-            self._reservation = held = None
-        room = self.max_queued_tokens - self.queued_tokens - (held[1] if held else 0)
-        if size <= room or not (self.queued_tokens or held):
+        reserved = self._reservation
+        if reserved is not None and (reserved.expires < now or reserved.key == key):
+            self._reservation = reserved = None
+        kept = reserved.size if reserved else 0
+        room = self.max_queued_tokens - self.queued_tokens - kept
+        if size <= room or not (self.queued_tokens or reserved):
             return
         self.stats.refused += 1
         # Until enough is computed for the reservation and this request both to fit.
-        short = self.queued_tokens + (held[1] if held else 0) + size - self.max_queued_tokens
+        short = self.queued_tokens + kept + size - self.max_queued_tokens
         wait_ms = int(min(MAX_RETRY_AFTER_MS, max(100, 1000 * short / max(self.rate, 1.0))))
-        if held is None:
-            self._reservation = (key, size, now + wait_ms / 1000 + RESERVATION_GRACE_S)
+        if reserved is None:
+            self._reservation = RetryReservation(key, size, now + wait_ms / 1000 + RESERVATION_GRACE_S)
         raise Unavailable(
             f"the local model is busy: {self.queued_tokens:,} tokens of work are queued and this request adds "
             f"{size:,}, over this server's limit of {self.max_queued_tokens:,} (--max-queued-tokens); retry in "
@@ -302,7 +312,7 @@ class Scheduler:
                 run = oldest
             else:  # least attained service: the run whose requests have had the fewest tokens computed so far
                 run = min(self._running, key=lambda r: (r.done / len(r.jobs), r.last))
-            if hasattr(self.backend, "step_budget"):
+            if isinstance(self.backend, PacedBackend):
                 self.backend.step_budget = self._step_budget(run)
             return None, run
 
@@ -311,7 +321,7 @@ class Scheduler:
         return size > self.max_batch_tokens
 
     def _step_budget(self, run: Run) -> int:
-        """The tokens of ``run``'s next pass (a backend with a ``step_budget``). A run within one pass takes it
+        """The tokens of ``run``'s next pass (a ``PacedBackend``). A run within one pass takes it
         whole: each pass reads all the weights once (about 60 ms for SmolLM2 on two CPU cores), and cutting small
         requests into short passes under 16 clients paid that several times a request. A large run (a document)
         goes in short passes while other runs are open or waiting, or a small one was answered a moment ago (its
@@ -329,7 +339,8 @@ class Scheduler:
             large = sum(1 for r in self._running if self._large(r.size))
             if self._large(self._waiting[0].size) and large >= MAX_LARGE_RUNS:
                 # The large job at the head waits for its turn; the small ones behind it go, batched as usual.
-                batch, size = [], 0
+                batch: list[Job] = []
+                size = 0
                 for job in [j for j in self._waiting if not self._large(j.size)]:
                     if batch and size + job.size > self.max_batch_tokens:
                         break
@@ -379,7 +390,7 @@ class Scheduler:
             for job in run.jobs:
                 self._release(job)
             if not isinstance(outcome, BaseException):
-                self.stats.batches += 1
+                self.stats.runs += 1
                 self.stats.jobs += len(run.jobs)
                 self.stats.prompt_tokens += sum(len(p) for job in run.jobs for p in job.group.prompts)
         if not isinstance(outcome, BaseException) and len(outcome) != len(run.jobs):

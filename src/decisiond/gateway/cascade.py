@@ -31,9 +31,12 @@ log = logging.getLogger("decisiond.gateway")
 # The response header: how many of the request's questions went on past the first call, of how many.
 ESCALATED_HEADER = "x-decisiond-escalated"
 
-StepGate = Callable[[Target], AsyncContextManager[Any]]
+# Admission for one attempt on a target (its model and provider rate limits): an async context manager that
+# raises a failover-able ProviderError when the target is at its limit, and yields something with
+# ``settle(input_tokens)`` or None. The router's gates are of this type too.
+Gate = Callable[[Target], AsyncContextManager[Any]]
 # Answer a (partial) request from one step's name, through the given gate.
-Ask = Callable[[DecisionRequest, str, StepGate], Awaitable[DecisionResult]]
+Ask = Callable[[DecisionRequest, str, Gate], Awaitable[DecisionResult]]
 
 
 @dataclass
@@ -96,7 +99,7 @@ def merged(answers: Sequence[Answer | None], results: Sequence[DecisionResult]) 
 
 
 async def run(request: DecisionRequest, steps: Sequence[str], thresholds: Sequence[float], ask: Ask,
-              servable: Callable[[DecisionRequest, str], bool], gate: StepGate,
+              servable: Callable[[DecisionRequest, str], bool], gate: Gate,
               report: Callable[[Step], None]) -> DecisionResult:
     """Answer ``request`` down the cascade's ``steps`` (``thresholds``: one per step but the last)."""
     answers: list[Answer | None] = [None] * len(request.questions)

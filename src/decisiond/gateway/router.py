@@ -21,23 +21,16 @@ from typing import Any, AsyncContextManager, Callable, Coroutine
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ..errors import DecisionError, InvalidRequest, NotFound, ProviderError, provider_error
 from . import cascade
-from .cascade import Step
+from .cascade import Gate, Step
 from .catalog import Catalog, Target
 from .chat import ChatRequest, ChatResult
 from .forward import attempt
-from .providers.base import Provider
 from .result_check import check_result
 from .settings import DEFAULT_DEADLINE, GatewayConfig
 from .virtual import VirtualModelConfig
 
 log = logging.getLogger("decisiond.gateway")
 _timeout = getattr(asyncio, "timeout", None)
-
-# Admission for one attempt on a target (its model and provider rate limits): an async context manager that
-# raises a failover-able ProviderError when the target is at its limit, and yields something with
-# ``settle(input_tokens)`` or None.
-Gate = Callable[["Target"], AsyncContextManager[Any]]
-
 
 def _open_gate(target: "Target") -> AsyncContextManager[Any]:
     return contextlib.nullcontext()
@@ -66,23 +59,24 @@ class Observer:
         return None
 
 
-class Router(Catalog):
-    """The catalog of models (``gateway.catalog``: names, entries, virtual models) and how a request is answered
-    from the targets a name stands for."""
+class Router:
+    """How a request is answered from the targets a name stands for, in ``catalog`` (``gateway.catalog``: the
+    names, entries and virtual models)."""
 
-    def __init__(self, providers: dict[str, Provider], models: dict[str, Target],
-                 virtual: dict[str, VirtualModelConfig] | None = None, default_model: str | None = None,
-                 aliases: dict[str, str] | None = None, allow_raw_upstreams: bool = False,
-                 deadline: float = DEFAULT_DEADLINE):
-        super().__init__(providers, models, virtual, default_model, aliases, allow_raw_upstreams)
+    def __init__(self, catalog: Catalog, deadline: float = DEFAULT_DEADLINE):
+        self.catalog = catalog
         self.deadline = deadline
         self.observer = Observer()
 
     @classmethod
+    def local_only(cls, engine: Any) -> "Router":
+        """No config: the local engine alone, under its served name and ``default``."""
+        return cls(Catalog.local_only(engine))
+
+    @classmethod
     def from_config(cls, config: GatewayConfig, engines: Mapping[str, Any]) -> "Router":
-        router = super().from_config(config, engines)
-        router.deadline = config.deadline
-        return router
+        """``engines``: the in-process engines, by the name of the provider that runs each."""
+        return cls(Catalog.from_config(config, engines), config.deadline)
 
     # -------------------------------------------------------------------------------- answering
 
@@ -96,15 +90,15 @@ class Router(Catalog):
         (the provider billed it all the same)."""
         skipped: list[DecisionError] = []
         failure: ProviderError | None = None
-        virtual = self.virtual.get(name)
+        virtual = self.catalog.virtual.get(name)
         budget = virtual.deadline if virtual is not None and virtual.deadline is not None else self.deadline
         ends = min(time.monotonic() + budget, ends if ends is not None else math.inf)
         if virtual is not None and virtual.strategy == "cascade":
             return await self._cascade(request, virtual, gate, report or _unreported, ends, billed)
-        for target in self.chain(name):
+        for target in self.catalog.chain(name):
             reason = target.unsupported(request)
             if reason is not None:
-                if name in self.virtual:
+                if name in self.catalog.virtual:
                     log.warning("skipping target",
                                 extra={"model": name, "target": target.name, "reason": reason.message})
                 skipped.append(reason)
@@ -137,23 +131,23 @@ class Router(Catalog):
             return result
         if failure is not None:
             raise failure
-        raise skipped[0] if len(skipped) == 1 or name not in self.virtual else InvalidRequest(
+        raise skipped[0] if len(skipped) == 1 or name not in self.catalog.virtual else InvalidRequest(
             f"no target of {name!r} can answer this request: " + "; ".join(s.message for s in skipped),
             skipped[0].path, code=skipped[0].code)
 
     async def _cascade(self, request: DecisionRequest, virtual: VirtualModelConfig, gate: Gate,
                        report: Callable[[Step], None], ends: float, billed: Billed) -> DecisionResult:
         async def ask(asked: DecisionRequest, step: str, step_gate: Gate) -> DecisionResult:
-            return await self.decide(asked, self.canonical(step) or step, step_gate, ends=ends, billed=billed)
+            return await self.decide(asked, self.catalog.canonical(step) or step, step_gate, ends=ends, billed=billed)
 
         return await cascade.run(request, virtual.targets, virtual.thresholds, ask,
-                                 lambda asked, step: self.first_target(asked, step) is not None, gate, report)
+                                 lambda asked, step: self.catalog.first_target(asked, step) is not None, gate, report)
 
     def resolve_chat(self, name: str) -> str:
         """The canonical model for chat traffic (no default, no lenient fallback): 404 for a name that names nothing
         (or a raw upstream the config does not allow), 400 for a decision model."""
-        canonical = self.canonical(name)
-        if canonical is None or (self.is_raw(canonical) and not self.allow_raw_upstreams):
+        canonical = self.catalog.canonical(name)
+        if canonical is None or (self.catalog.is_raw(canonical) and not self.catalog.allow_raw_upstreams):
             raise NotFound(f"The model {name!r} does not exist or is not served here.", ("model",),
                            code="model_not_found")
         self.chat_target(canonical)
@@ -162,7 +156,7 @@ class Router(Catalog):
     def chat_target(self, name: str) -> Target:
         """The first target for chat traffic: an OpenAI-shaped provider's model that is not decisions-only. A
         decision model is refused with a pointer to /v1/decisions (as a chat model is refused there)."""
-        candidates = self.chain(name)
+        candidates = self.catalog.chain(name)
         if not candidates:
             raise NotFound(f"The model {name!r} does not exist or is not served here.", ("model",),
                            code="model_not_found")
@@ -178,7 +172,7 @@ class Router(Catalog):
         until the client has its first byte (``gateway.forward``). Targets that cannot serve chat are skipped
         without an attempt. ``deadline``: the client's (``time.monotonic()``), for the whole exchange."""
         failure: ProviderError | None = None
-        for target in self.chain(name):
+        for target in self.catalog.chain(name):
             if not target.serves_chat:
                 continue
             started = self.observer.attempt(target)
@@ -207,8 +201,8 @@ class Router(Catalog):
     def score_target(self, name: str | None) -> Target:
         """The target that answers ``/v1/score`` for ``name``: the first of its chain whose provider has the
         ``score`` capability (today the local engine)."""
-        chosen = self.resolve_name(name, strict=False)
-        for target in self.chain(chosen):
+        chosen = self.catalog.resolve_name(name, strict=False)
+        for target in self.catalog.chain(chosen):
             if "score" in target.provider.capabilities:
                 return target
         raise InvalidRequest(f"model {chosen!r} is not a local model; /v1/score needs one", ("model",),
@@ -223,7 +217,7 @@ class Router(Catalog):
         return result
 
     async def aclose(self) -> None:
-        for provider in self.providers.values():
+        for provider in self.catalog.providers.values():
             await provider.aclose()
 
 

@@ -96,15 +96,16 @@ class Gateway:
         self.cache = ResponseCache(config.cache)
         # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
+        catalog, when_down = router.catalog, config.budgets_when_database_down
         stages: list[Stage] = [
-            RequestLimits(), ResolveModel(router), Allowlist(router), CacheStage(self.cache, router, self.guardrails),
-            RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, router, config.budgets_when_database_down),
-            GuardrailStage(self.guardrails, router),
+            RequestLimits(), ResolveModel(router), Allowlist(catalog), CacheStage(self.cache, router, self.guardrails),
+            RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog, when_down),
+            GuardrailStage(self.guardrails, catalog),
         ]
         self.pipeline = Pipeline(stages, self._route)
         # A decision_judge guardrail's calls: its own user path's rate limits and budgets, then the router.
-        self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(
-            lambda: self.leases, router, config.budgets_when_database_down)], self._route)
+        self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog,
+                                                                                  when_down)], self._route)
 
     @staticmethod
     def keys_configured(config: GatewayConfig) -> bool:
@@ -163,7 +164,7 @@ class Gateway:
                                   model=guardrail.model)
         caller = Caller(name=f"guardrail:{guardrail.name}", user_path=guardrail.user_path)
         context = Context(request_id, "decide", "guardrail", caller, strict_model=True)
-        context.resolved_model = self.router.resolve_name(guardrail.model, strict=True, internal=True)
+        context.resolved_model = self.router.catalog.resolve_name(guardrail.model, strict=True, internal=True)
         status: int = 500
         code: str | None = "judge_failed"
         result: Any = None

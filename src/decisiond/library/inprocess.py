@@ -40,7 +40,7 @@ class Engine(Decider):
 
     def models(self) -> list[str]:
         """The names this engine answers to (``default`` too)."""
-        return [m.name for m in self.router.model_list("decisions")]
+        return [m.name for m in self.router.catalog.model_list("decisions")]
 
     def close(self) -> None:
         self._loop.close()

@@ -80,7 +80,7 @@ def build(gateway: Gateway) -> MCPServer:
         caller = await _caller(gateway, ctx)
         router = gateway.router
         return [{"name": m.name, "description": m.description, "owned_by": m.owned_by}
-                for m in router.model_list("decisions") if allowed(router, caller, m.name)]
+                for m in router.catalog.model_list("decisions") if allowed(router.catalog, caller, m.name)]
 
     return server
 

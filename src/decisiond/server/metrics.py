@@ -53,7 +53,7 @@ class EngineCollector(Collector):
         self.router = router
 
     def _engines(self) -> dict[str, Any]:
-        return {name: engine for p in self.router.providers.values() for name, engine in p.engines().items()}
+        return {name: engine for p in self.router.catalog.providers.values() for name, engine in p.engines().items()}
 
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("decisiond_engine_queue_depth", "Jobs waiting for the model's worker",
@@ -63,8 +63,8 @@ class EngineCollector(Collector):
                                    labels=["model"])
         # (where the counter lives: the scheduler's or the backend's stats, its field) → the metric
         counters = {
-            ("scheduler", "batches"): CounterMetricFamily("decisiond_engine_batches", "Batches handed to the backend",
-                                                          labels=["model"]),
+            ("scheduler", "runs"): CounterMetricFamily("decisiond_engine_batches",
+                                                       "Batches (runs) handed to the backend", labels=["model"]),
             ("scheduler", "jobs"): CounterMetricFamily(
                 "decisiond_engine_batched_jobs", "Requests served by those batches (÷ batches = mean batch size)",
                 labels=["model"]),

@@ -37,7 +37,7 @@ async def models(request: Request, capability: str | None = None) -> Any:
         caller = await authenticate(request)
     except DecisionError as error:
         return error_response(openai_dialect.render_error(error), error.headers)
-    listed = [m for m in served.model_list(capability) if allowed(served, caller, m.name)]
+    listed = [m for m in served.catalog.model_list(capability) if allowed(served.catalog, caller, m.name)]
     if request.headers.get("x-typesafe-sdk"):
         # The TypeSafe SDK reads {"models": [{name, description, release_date}]}: decision models only.
         return systemone_dialect.models_body([m for m in listed if "decisions" in m.capabilities])
@@ -61,7 +61,7 @@ async def health(request: Request) -> dict[str, Any]:
             await gateway.auth.authenticate(request.headers)
         except DecisionError:
             return {"status": "ok"}
-    return {"status": "ok", "models": [m.name for m in served.model_list()], "version": __version__}
+    return {"status": "ok", "models": [m.name for m in served.catalog.model_list()], "version": __version__}
 
 
 @router.get("/", include_in_schema=False)

@@ -86,6 +86,14 @@ class SteppedBackend(Backend, Protocol):
         ...
 
 
+@runtime_checkable
+class PacedBackend(SteppedBackend, Protocol):
+    """A stepped backend whose passes the scheduler sizes: before each step it sets ``step_budget``, the padded
+    tokens the next forward pass may take (short passes for a large request while others wait)."""
+
+    step_budget: int
+
+
 def stepwise(backend: Backend, groups: Sequence[Group]) -> Steps:
     """The backend's steps, or its whole ``score`` as one step."""
     if isinstance(backend, SteppedBackend):

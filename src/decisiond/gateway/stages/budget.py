@@ -40,7 +40,7 @@ from ...errors import DecisionError, Unavailable, one_line
 from ...limits import BUDGET_DB_TIMEOUT_S
 from ...store.db import transient
 from .. import pricing
-from ..router import Router
+from ..catalog import Catalog
 from ..sizes import max_input_tokens, max_output_tokens
 from ..types import Context, Next
 from .budget_leases import Hold, LeaseBook, Reservation
@@ -54,10 +54,10 @@ class BudgetStage:
 
     name = "budget"
 
-    def __init__(self, leases_of: Any, router: Router, when_down: Literal["admit", "refuse"] = "admit"):
+    def __init__(self, leases_of: Any, catalog: Catalog, when_down: Literal["admit", "refuse"] = "admit"):
         # ``leases_of()`` → the LeaseBook, or None before the database is open (no budgets then).
         self.leases_of = leases_of
-        self.router = router
+        self.catalog = catalog
         self.when_down = when_down
 
     async def worst_case(self, context: Context, request: Any) -> int:
@@ -66,11 +66,11 @@ class BudgetStage:
         return await self._worst(context.resolved_model, request) if context.resolved_model else 0
 
     async def _worst(self, name: str, request: Any) -> int:
-        steps = self.router.cascade_steps(name)
+        steps = self.catalog.cascade_steps(name)
         if steps is not None:  # a step asks a subset of the questions: the whole request bounds its cost
-            return sum([await self._worst(self.router.canonical(step) or step, request) for step in steps])
+            return sum([await self._worst(self.catalog.canonical(step) or step, request) for step in steps])
         worst = 0
-        for t in self.router.chain(name):
+        for t in self.catalog.chain(name):
             if t.price is None:
                 continue
             counted = await t.provider.input_tokens(request) if isinstance(request, DecisionRequest) else None
@@ -86,7 +86,7 @@ class BudgetStage:
         store = book.store
         try:
             budgets = [b for b in await store.budgets()
-                       if b.applies(context.caller, self.router.policy_names(context.resolved_model or ""))]
+                       if b.applies(context.caller, self.catalog.policy_names(context.resolved_model or ""))]
             if not budgets:
                 return await call_next(context, request)
             # At least 1 nano-USD: a budget already spent refuses even a free request, as a limit of 0 does.

@@ -262,12 +262,13 @@ class CacheStage:
     def __init__(self, cache: ResponseCache, router: Router, guardrails: GuardrailSet | None = None):
         self.cache = cache
         self.router = router
+        self.catalog = router.catalog
         self.guardrails = guardrails
 
     def enabled_for(self, name: str, target: Target) -> bool:
         """``cache`` on every virtual model the request passes through (``Catalog.policy_names``), the model, the
         provider: any false wins, then any true; else the provider's default."""
-        virtual = [self.router.virtual[n].cache for n in self.router.policy_names(name) if n in self.router.virtual]
+        virtual = [self.catalog.virtual[n].cache for n in self.catalog.policy_names(name) if n in self.catalog.virtual]
         settings = (*virtual, target.cache, target.provider.config.cache)
         if False in settings:
             return False
@@ -281,13 +282,13 @@ class CacheStage:
         if context.operation == "score":
             target: Target | None = self.router.score_target(name)
         else:
-            target = self.router.first_target(request, name)
+            target = self.catalog.first_target(request, name)
         if target is None or not self.enabled_for(name, target):
             return None
-        models = self.router.policy_names(name)
+        models = self.catalog.policy_names(name)
         in_force = self.guardrails.for_request(models, context.caller.guardrails) if self.guardrails else []
         fingerprint = [g.model_dump(mode="json") for g in in_force] or None
-        cascade = self.router.virtual[name].model_dump(mode="json") if self.router.cascade_steps(name) else None
+        cascade = self.catalog.virtual[name].model_dump(mode="json") if self.catalog.cascade_steps(name) else None
         return cache_key(context.operation, name, target, request, fingerprint, cascade), target
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
@@ -309,7 +310,7 @@ class CacheStage:
                 context.cache_hit = True
                 context.cost = 0.0  # a hit calls no provider: x-decisiond-cost: 0, and nothing is charged
                 context.response_headers["x-cache"] = "HIT"
-                if self.router.cascade_steps(context.resolved_model or "") and isinstance(request, DecisionRequest):
+                if self.catalog.cascade_steps(context.resolved_model or "") and isinstance(request, DecisionRequest):
                     # a cascade's answer is stored only when no question escalated
                     context.response_headers[ESCALATED_HEADER] = f"0 of {len(request.questions)}"
                 return decode(blob)

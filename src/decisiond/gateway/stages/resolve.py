@@ -24,5 +24,5 @@ class ResolveModel:
         elif context.operation == "chat":
             context.resolved_model = self.router.resolve_chat(request.model)
         else:
-            context.resolved_model = self.router.resolve_name(request.model, context.strict_model)
+            context.resolved_model = self.router.catalog.resolve_name(request.model, context.strict_model)
         return await call_next(context, request)
