@@ -117,15 +117,15 @@ def test_score_goes_to_the_provider_that_declares_it():
 
 def test_own_model_names_listing_and_cache_identity_come_from_the_provider():
     r, scorer, plain = router()
-    assert r.known_target("s/default") is r.models["s/scorer-1"]  # <provider>/default: its own model
-    assert r.known_target("s/other") is None  # a provider with a model of its own serves no other
-    assert r.known_target("p/anything").upstream == "anything"  # one without forwards any name
-    listed = {m.name: m for m in r.model_list()}
+    assert r.catalog.known_target("s/default") is r.catalog.models["s/scorer-1"]  # <provider>/default: its own model
+    assert r.catalog.known_target("s/other") is None  # a provider with a model of its own serves no other
+    assert r.catalog.known_target("p/anything").upstream == "anything"  # one without forwards any name
+    listed = {m.name: m for m in r.catalog.model_list()}
     assert listed["s/scorer-1"].release_date == "2020-02-02" and listed["s/scorer-1"].description == "a fake scorer"
     request = ScoreRequest(((1, 2, 3),), ((4, 5),))
-    key = cache_key("score", "s/scorer-1", r.models["s/scorer-1"], request)
+    key = cache_key("score", "s/scorer-1", r.catalog.models["s/scorer-1"], request)
     scorer.cache_identity = lambda: {"weights": "v2"}  # other weights: another entry
-    assert cache_key("score", "s/scorer-1", r.models["s/scorer-1"], request) != key
+    assert cache_key("score", "s/scorer-1", r.catalog.models["s/scorer-1"], request) != key
     assert plain.cache_identity() is None
 
 
@@ -133,10 +133,10 @@ def test_engine_options_follow_the_capability():
     r, scorer, plain = router()
     request = DecisionRequest((Message("user", (Text("x"),)),), (Question("yes_no", "q", (Text("?"),)),),
                               temperature=0.5)
-    refused = r.models["plain"].unsupported(request)
+    refused = r.catalog.models["plain"].unsupported(request)
     assert refused is not None and refused.code == "unsupported_parameter" and refused.path == ("temperature",)
     scorer.capabilities = frozenset({"decisions", "score", "engine_options"})
-    assert r.models["s/scorer-1"].unsupported(request) is None
+    assert r.catalog.models["s/scorer-1"].unsupported(request) is None
 
 
 def test_metrics_read_the_engines_a_provider_declares():

@@ -4,11 +4,11 @@ glibc's ``malloc`` serves allocations of up to its mmap threshold (128 KiB at fi
 blocks are freed) from heaps it keeps: a freed KV block of a short prompt (a few MiB) becomes a hole in a heap,
 reused by later allocations that fit but still counted in the process's RSS. When the prefix cache evicts blocks
 for a workload of another shape (short tickets, then long documents), those holes stay while the new blocks are
-allocated: measured, the server's peak RSS rose by the size of the cache's budget. ``release_freed`` asks glibc to
-return whole free pages (``malloc_trim(0)``); the engine calls it once the prefix cache has evicted a quarter of its
-budget since the last call (``RELEASE_EVERY``): holes left by blocks of one shape are reused by the next blocks of
-that shape, so trimming after every eviction would only make the allocator fault the same pages in again. Elsewhere
-than glibc it does nothing.
+allocated, and the server's peak RSS grows by up to the cache's budget (benchmarks/ENGINE_NOTES.md).
+``release_freed`` asks glibc to return whole free pages (``malloc_trim(0)``); the engine calls it once the prefix
+cache has freed a quarter of its budget since the last call (``RELEASE_EVERY``), never when it frees nothing:
+holes left by blocks of one shape are reused by the next blocks of that shape, so trimming after every eviction
+would only make the allocator fault the same pages in again. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

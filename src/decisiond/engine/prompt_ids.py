@@ -1,8 +1,8 @@
 """Token ids of long prompts that begin like a recent one, from the point where they differ.
 
 The prompts of a document asked several questions (in one request, or again later) share the chat header and the
-whole document, about 2,000 tokens, and differ in the question's last lines: tokenizing each of them whole costs
-3 ms a prompt on a CPU, as much as a twentieth of answering a question asked again about a cached document.
+whole document, and differ in the question's last lines: tokenizing each of them whole would cost a visible share
+of answering a question asked again about a cached document (benchmarks/ENGINE_NOTES.md).
 
 A byte-level BPE tokenizer with GPT-2's pre-tokenizer (GPT-2, SmolLM2, StarCoder…) cuts text into words with a
 regular expression scanned left to right, then each word into tokens on its own; a line break followed by a character

@@ -322,8 +322,8 @@ class Scheduler:
 
     def _step_budget(self, run: Run) -> int:
         """The tokens of ``run``'s next pass (a ``PacedBackend``). A run within one pass takes it
-        whole: each pass reads all the weights once (about 60 ms for SmolLM2 on two CPU cores), and cutting small
-        requests into short passes under 16 clients paid that several times a request. A large run (a document)
+        whole: each pass reads all the weights once, so cutting a small request into short passes pays for that
+        several times (benchmarks/SCHEDULER.md). A large run (a document)
         goes in short passes while other runs are open or waiting, or a small one was answered a moment ago (its
         client's next request may be on its way), so that they wait for one short pass only."""
         if not self._large(run.size):

@@ -1,13 +1,15 @@
 """A Llama decoder's forward pass over packed rows, top to bottom, for the transformers backend.
 
-transformers' own forward pass works, but on a CPU a pass of a few tokens after a cached document spends about a
-fifth of its time around the arithmetic (mask preparation, dispatch through attention interfaces and keyword
-arguments, thirty times over). This module computes the same function with the model's own weights and rotary
-embedding, in fewer tensor operations:
+Contract: ``LlamaDecoder.of(model)`` returns a decoder only for a model it computes exactly — float32
+``LlamaForCausalLM`` with SDPA attention, silu MLPs and no tensor-parallel split — and its logits equal transformers'
+forward pass over the same ids, positions, mask and cache up to float rounding (``tests/test_decoder.py``,
+``tests/test_architectures.py``); for any other model it returns ``None`` and transformers' forward pass serves it.
 
-- **The model's own weights, as they are.** Fusing q/k/v and gate/up into one matmul each was measured and left
-  out: a model loaded from safetensors keeps its mapped file pages resident, so the concatenated copies would add
-  a third of the weights to the server's memory for a few percent of speed.
+How it does the same work in fewer tensor operations than transformers' forward pass (the measurements behind each
+choice: ``benchmarks/ENGINE_NOTES.md``):
+
+- **The model's own weights, as they are**, never copied or fused (fused copies would stay resident beside the
+  mapped safetensors pages).
 - **The mask is made additive once a pass**, not converted again by every layer's attention.
 - **The last layer only where answers are read**: its keys and values are computed for every token (the cache
   needs them), its queries, attention output and MLP only at the positions whose logits are wanted.
@@ -16,15 +18,10 @@ embedding, in fewer tensor operations:
   are masked for the whole block: a token never sees a later one). About a third less attention work for a
   500-token pass, for the same result up to float rounding (the keys left out weigh zero). Where the tree mask hides
   a fifth or more of those keys from a whole block (the tails of earlier questions, laid out before it), the block
-  reads only the runs of keys it sees, gathered: the shared prompt and its own tails. For a ticket asked 10
-  questions, SDPA went from 54–60 to 44–47 ms a request and the gathers cost 3 ms: 2 % of the request.
+  reads only the runs of keys it sees, gathered: the shared prompt and its own tails.
 - **Grouped KV heads folded** in a pass of a few tokens (a question asked about a cached document): each KV head's
   query heads go as one row of queries, so one SDPA call reads the document's keys once per KV head.
 - Element-wise work in place where the result is not needed twice (SwiGLU, residuals, rotary).
-
-Its answers equal transformers' up to float rounding (the tests compare them with one plain transformers pass per
-prompt). It serves float32 ``LlamaForCausalLM`` models with SDPA attention, silu MLPs and no tensor-parallel split; any
-other model (bfloat16 on a GPU included) keeps transformers' forward pass (``LlamaDecoder.of`` returns ``None``).
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Queries per attention call in a pass over new tokens (``LlamaDecoder._attend``). Measured on a 2-core CPU with
-# SmolLM2: 64 to 96 took a 500-token pass's attention from 3.6 to 2.8 ms a layer (128: 3.0, 192: 3.1), and a
-# 290-token pass's from 1.15 to 0.92 ms.
+# Queries per attention call in a pass over new tokens (``LlamaDecoder._attend``; chosen by measurement,
+# benchmarks/ENGINE_NOTES.md).
 QUERY_BLOCK = 64
 
 
@@ -155,7 +151,7 @@ class LlamaDecoder:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm in float32, bit for bit, in one pass fewer over ``x`` than ``F.rms_norm`` makes
-        # on a CPU (measured 77 instead of 95 µs for 500 tokens of SmolLM2).
+        # on a CPU.
         return torch.mul(x, x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(weight)
 
     @staticmethod
@@ -193,8 +189,7 @@ class LlamaDecoder:
                        folded: torch.Tensor) -> torch.Tensor:
         """Attention with grouped KV heads, each head's query heads as one row of queries (``folded``: the mask
         repeated for each, ``_fold``): one SDPA call reads each KV head once, and its result equals ``enable_gqa``'s
-        to float rounding (SmolLM2 over a 2,000-token document: 17 instead of 20 ms a pass of 20 tokens, on a 2-core
-        CPU)."""
+        to float rounding."""
         rows, heads, width, d = q.shape
         o = F.scaled_dot_product_attention(q.reshape(rows, keys.shape[1], -1, d), keys, values, attn_mask=folded,
                                            scale=self.scale)
