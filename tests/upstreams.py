@@ -16,6 +16,15 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
 
 
+class Listening(ThreadingHTTPServer):
+    """A thread per connection, and room for every connection a test opens at once: the standard library's backlog of
+    5 overflows under 40 concurrent requests on a busy machine, and the kernel then resets connections it had
+    already completed (a ReadError at the gateway, not a failure of what the test checks)."""
+
+    daemon_threads = True
+    request_queue_size = 256
+
+
 @dataclass
 class Seen:
     method: str
@@ -73,8 +82,7 @@ class Upstream:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
-        self.server.daemon_threads = True
+        self.server = Listening(("127.0.0.1", 0), Handle)
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()  # stop() waits one poll
         return self
 
@@ -219,8 +227,7 @@ class ChatUpstream:
                 upstream.seen.append({"path": self.path, "body": body, "auth": self.headers.get("authorization")})
                 upstream.answer(self, self.path.rstrip("/").endswith("/responses"), body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
-        self.server.daemon_threads = True
+        self.server = Listening(("127.0.0.1", 0), Handle)
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     @property
