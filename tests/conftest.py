@@ -103,7 +103,22 @@ def starts_processes(item) -> bool:
                                  services.start_redis, services.start_postgres, subprocess)}
     module = vars(item.module) if hasattr(item, "module") else {}
     return bool(launchers & {id(value) for value in module.values()}) or \
-        bool({"tiny_server", "server", *SERVICE_FIXTURES} & set(item.fixturenames))
+        bool({"tiny_server", "server", "database", *SERVICE_FIXTURES} & set(item.fixturenames))
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database(request, tmp_path_factory):
+    """The gateway database's URL, once a SQLite file and once a fresh PostgreSQL server (one per module)."""
+    from services import start_postgres
+
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('database')}/gateway.sqlite3"
+        return
+    postgres = start_postgres()
+    try:
+        yield postgres.url
+    finally:
+        postgres.remove()
 
 
 @pytest.fixture(scope="session")

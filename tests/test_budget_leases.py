@@ -9,7 +9,6 @@ import asyncio
 import random
 
 import pytest
-from services import start_postgres
 
 from decisiond.errors import BudgetExceeded
 from decisiond.gateway.settings import BudgetConfig
@@ -18,18 +17,6 @@ from decisiond.gateway.stages.budget_ledger import BudgetStore, apply_charges
 from decisiond.store.db import Database
 
 NANO = 1_000_000_000
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database_url(request, tmp_path_factory):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('leases')}/budgets.sqlite3"
-        return
-    postgres = start_postgres()
-    try:
-        yield postgres.url
-    finally:
-        postgres.remove()
 
 
 class Replica:
@@ -94,9 +81,9 @@ async def run(url: str, limit_usd: float, worst_usd: float, requests: int, cost_
             "grows": sum(r.grows for r in replicas)}
 
 
-def test_two_replicas_never_hold_more_than_the_limit_and_settle_exactly(database_url):
+def test_two_replicas_never_hold_more_than_the_limit_and_settle_exactly(database):
     # $1 limit, a worst case of $0.011, a real cost of $0.007: 90 fit at once, more as they settle.
-    out = asyncio.run(run(database_url, 1.0, 0.011, 300, 0.007, "concurrent"))
+    out = asyncio.run(run(database, 1.0, 0.011, 300, 0.007, "concurrent"))
     assert out["most_held"] <= 1 * NANO
     after = out["after"]
     assert after["spent_usd"] == pytest.approx(out["admitted"] * 0.007) and after["spent_usd"] <= 1.0
@@ -104,14 +91,14 @@ def test_two_replicas_never_hold_more_than_the_limit_and_settle_exactly(database
     assert out["admitted"] >= 90 and out["admitted"] + out["refused"] == 300
 
 
-def test_near_the_limit_two_replicas_admit_exactly_what_fits(database_url):
-    out = asyncio.run(run(database_url, 0.03, 0.01, 20, 0.01, "exact"))
+def test_near_the_limit_two_replicas_admit_exactly_what_fits(database):
+    out = asyncio.run(run(database, 0.03, 0.01, 20, 0.01, "exact"))
     assert (out["admitted"], out["refused"]) == (3, 17)
     assert out["after"]["spent_usd"] == pytest.approx(0.03) and out["after"]["reserved_usd"] == 0
 
 
-def test_far_from_the_limit_a_budget_costs_a_few_transactions(database_url):
-    out = asyncio.run(run(database_url, 1_000_000, 0.0001, 2000, 0.0001, "far"))
+def test_far_from_the_limit_a_budget_costs_a_few_transactions(database):
+    out = asyncio.run(run(database, 1_000_000, 0.0001, 2000, 0.0001, "far"))
     assert out["admitted"] == 2000 and out["grows"] <= 12  # chunks of 256 worst cases and more, per replica
     assert out["after"]["spent_usd"] == pytest.approx(0.2) and out["after"]["reserved_usd"] == 0
 

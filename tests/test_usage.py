@@ -82,18 +82,6 @@ def _env(ups, db: str) -> dict[str, str]:
             **{f"UP_{k.upper()}": u.url for k, u in ups.items()}}
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request, tmp_path_factory):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('usage')}/usage.sqlite3"
-        return
-    postgres = start_postgres()
-    try:
-        yield postgres.url
-    finally:
-        postgres.remove()
-
-
 @pytest.fixture(scope="module")
 def gateway(ups, database, tmp_path_factory):
     config = tmp_path_factory.mktemp("usage-config") / "gateway.yaml"

@@ -66,18 +66,6 @@ def upstream():
     up.stop()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request, tmp_path_factory):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('journal')}/usage.sqlite3"
-        return
-    postgres = start_postgres()
-    try:
-        yield postgres.url
-    finally:
-        postgres.remove()
-
-
 @pytest.fixture(scope="module")
 def postgres_url():
     postgres = start_postgres()
