@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .common import build_router, load_config, refuse
 
@@ -212,14 +212,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except ModelNotFound as error:
         return refuse(error)
-    command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench"
-    text = runner.markdown(report, args.command_line or command)
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
-    if args.json:
-        open(args.json, "w").write(runner.to_json(report))
-    return 0
+    return _write_report(args, lambda command: runner.markdown(report, command), lambda: runner.to_json(report),
+                         "decisiond bench")
 
 
 def _bench_gateway(args: argparse.Namespace) -> int:
@@ -233,11 +227,19 @@ def _bench_gateway(args: argparse.Namespace) -> int:
         return refuse(f"--clients: {args.clients!r} is not a comma-separated list of numbers")
     report = gateway.run(workers=args.workers, seconds=args.seconds, rounds=args.rounds, clients=clients,
                          postgres=not args.no_postgres, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "decisiond bench --gateway"
-    text = gateway.markdown(report, args.command_line or command)
+    return _write_report(args, lambda command: gateway.markdown(report, command),
+                         lambda: json.dumps(report, indent=2), "decisiond bench --gateway")
+
+
+def _write_report(args: argparse.Namespace, markdown: Callable[[str], str], as_json: Callable[[], str],
+                  bare: str) -> int:
+    """Print a benchmark's markdown (naming the command that reproduces it; ``bare`` when run without arguments),
+    and write it to ``--out`` and its JSON to ``--json`` where asked."""
+    command = "decisiond bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else bare
+    text = markdown(args.command_line or command)
     print(text)
     if args.out:
         open(args.out, "w").write(text)
     if args.json:
-        open(args.json, "w").write(json.dumps(report, indent=2))
+        open(args.json, "w").write(as_json())
     return 0
