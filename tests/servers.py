@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from decisiond.bench.services import stop_process
+
 # What every decisiond process imports before it can do anything; the forkserver imports it once.
 PRELOAD = ["decisiond.cli", "decisiond.server", "decisiond.engine.local", "decisiond.batch",
            "transformers.models.llama.modeling_llama"]
@@ -156,12 +158,7 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, 20)
 
 
 def start_decisiond(*args: str, env: dict | None = None, ready_timeout: float = 300.0) -> RunningServer:

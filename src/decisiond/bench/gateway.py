@@ -56,12 +56,7 @@ class Server:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            services.stop_process(self.process, 30)
 
 
 @dataclass

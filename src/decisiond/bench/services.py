@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class Unavailable(Exception):
@@ -27,6 +28,16 @@ def free_port() -> int:
         return port
 
 
+
+def stop_process(process: Any, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if ``process`` (a ``subprocess.Popen`` or alike) has not exited within ``timeout``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
 @dataclass
 class Redis:
     port: int
@@ -37,12 +48,7 @@ class Redis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, 10)
 
 
 def start_redis() -> Redis:
