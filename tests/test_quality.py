@@ -151,7 +151,7 @@ def test_labeled_file_errors_name_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(EXAMPLES.read_text().splitlines()[0] + "\n" + json.dumps(
         {"input": "x", "questions": [{"type": "predicate", "name": "p", "instructions": "?"}], "gold": {"p": "yes"}}))
-    with pytest.raises(ValueError, match="bad.jsonl:2: gold for predicate 'p' must be true or false"):
+    with pytest.raises(ValueError, match="bad.jsonl:2: gold.p: must be true or false"):
         evaluation.load(bad)
 
 

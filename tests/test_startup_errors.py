@@ -1,6 +1,6 @@
 """A setting that cannot work stops ``decisiond serve`` at start-up with exit 2 and one line naming the setting and
 the cause, never a traceback: an unsupported or unreachable database, a Redis URL of another scheme, a usage journal
-that cannot be written."""
+that cannot be written. (A setting the config's validation refuses is named with the file and its line too.)"""
 
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ def refusal(tmp_path, extra: str = "", env: dict[str, str] | None = None) -> str
      "decisiond: DECISIOND_DATABASE_URL: mysql+aiomysql:// is not supported"),
     ('database_url: "not a url"\n', {}, "decisiond: database_url: Could not parse"),
     ('redis_url: "http://127.0.0.1:6379"\n', {},
-     "decisiond: redis_url: a Redis URL must start with redis:// or rediss://, not http://"),
-    ("cache: {redis_url: 127.0.0.1:6379}\n", {}, "decisiond: cache.redis_url: a Redis URL must start with"),
+     "decisiond: {config}:7: redis_url: a Redis URL must start with redis:// or rediss://, not http://"),
+    ("cache: {redis_url: 127.0.0.1:6379}\n", {}, "decisiond: {config}:7: cache.redis_url: a Redis URL must start with"),
     ("", {"DECISIOND_REDIS_URL": "unix:///tmp/redis.sock"}, "decisiond: DECISIOND_REDIS_URL: a Redis URL must"),
 ])
 def test_an_unsupported_url_is_one_line(tmp_path, extra, env, expected):
-    assert refusal(tmp_path, extra, env).startswith(expected)
+    assert refusal(tmp_path, extra, env).startswith(expected.replace("{config}", str(tmp_path / "gateway.yaml")))
 
 
 def test_an_unreachable_postgresql_is_one_line_naming_it_without_its_password(tmp_path):

@@ -22,11 +22,15 @@ A refusal carries the field at fault as a path in the wire terms of the dialect 
 canonical object remembers where it came from), so that each dialect renders it at one boundary in its own error
 shape: OpenAI's ``param`` string, System One's FastAPI ``loc`` list, SGLang's message. Each class sets its status,
 code and OpenAI error type; a raise may name a more precise code.
+
+Beside the tree, ``InputError``: not a request's refusal but the command line's, a file or setting a command was
+given that it cannot use (one line naming the file, line and field; exit code 2).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -200,6 +204,35 @@ class ClientGone(Exception):
 
     status = 499  # nginx's "client closed request": only ever in logs and usage records
     code = "client_closed_request"
+
+
+class InputError(ValueError):
+    """A file or setting a command was given that it cannot use: missing, unreadable, not JSON or YAML, of the
+    wrong shape. ``str()`` is one line, ``FILE:LINE: FIELD: what is wrong`` (each part where known; the field as the
+    server names it, ``questions[0].choices``); the command line prints it as ``decisiond: <line>`` and exits 2
+    (``decisiond.cli.main``). Raised where the file is read, before any model loads."""
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None, line: int | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message, path, line, field)
+        self.message, self.path, self.line, self.field = message, path, line, field
+
+    def __str__(self) -> str:
+        where = None if self.path is None else os.fspath(self.path)
+        if where is not None and self.line:
+            where = f"{where}:{self.line}"
+        return " ".join(": ".join(part for part in (where, self.field, self.message) if part).split("\n"))
+
+    def at(self, path: str | os.PathLike[str], line: int | None = None) -> InputError:
+        """The same error (of the same class), in the file ``path`` (at ``line``)."""
+        return type(self)(self.message, path, line, self.field)
+
+    @classmethod
+    def unreadable(cls, path: str | os.PathLike[str], error: OSError | UnicodeDecodeError) -> InputError:
+        """``path`` cannot be read: missing, a folder, not permitted, not text (an error of this class)."""
+        if isinstance(error, UnicodeDecodeError):
+            return cls(f"not UTF-8 text (byte {error.start})", path)
+        return cls(f"cannot read it: {error.strerror or error}", path)
 
 
 def openai_param(path: Path) -> str | None:

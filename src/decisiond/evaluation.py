@@ -35,7 +35,7 @@ from .canonical import DecisionRequest, Question
 from .dialects import openai as openai_wire
 from .engine.calibration import FOLDS, STRENGTHS, Fit, Profile, Sample, combine, folds, regularised_fit
 from .engine.prompt import PROMPT_FORMAT_VERSION
-from .errors import DecisionError
+from .errors import DecisionError, InputError, openai_param
 
 if TYPE_CHECKING:
     from .engine.local import LocalEngine
@@ -56,41 +56,73 @@ class LabeledItem:
     gold: list[int]  # per question: the correct candidate index
 
 
+LABELED_FIELDS = ("input", "questions", "gold")
+
+
 def load(path: str | Path) -> list[LabeledItem]:
-    items = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            data = json.loads(line)
-            request = openai_wire.parse_request({"model": "default", "input": data["input"],
-                                                 "questions": data["questions"]})
-            golds = [gold_index(q, data["gold"][q.name]) for q in request.questions]
-        except (ValueError, KeyError, TypeError, DecisionError) as e:
-            raise ValueError(f"{where}: {e}") from e
-        items.append(LabeledItem(request, golds))
+    """The labeled items of the JSON Lines file ``path``; an ``InputError`` naming the file, the line and the field
+    (as the server names it: ``questions[0].choices``, ``gold.billing``) at fault."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError.unreadable(path, e) from None
+    items = [_labeled(line, path, number) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not items:
-        raise ValueError(f"{path}: no labeled items")
+        raise InputError("no labeled items (JSON Lines: input, questions and gold on each line)", path)
     return items
 
 
+def _labeled(line: str, path: str | Path, number: int) -> LabeledItem:
+    """One line of a labeled file."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"not JSON ({e.msg}, column {e.colno})", path, number) from None
+    if not isinstance(data, dict):
+        raise InputError("not a JSON object with input, questions and gold", path, number)
+    for name in LABELED_FIELDS:
+        if name not in data:
+            others = [key for key in data if key not in LABELED_FIELDS]
+            raise InputError("missing: each line holds input, questions and gold"
+                             + (f" (this one has {', '.join(map(str, others))})" if others else ""), path, number, name)
+    try:
+        request = openai_wire.parse_request({"model": "default", "input": data["input"],
+                                             "questions": data["questions"]})
+    except DecisionError as e:
+        raise InputError(e.message, path, number, openai_param(e.path)) from None
+    gold = data["gold"]
+    if not isinstance(gold, dict):
+        raise InputError("must be an object: each question's name and its right answer", path, number, "gold")
+    golds = []
+    for q in request.questions:
+        if q.name not in gold:
+            raise InputError("missing: every question needs its right answer", path, number, f"gold.{q.name}")
+        try:
+            golds.append(gold_index(q, gold[q.name]))
+        except ValueError as e:
+            raise InputError(str(e), path, number, f"gold.{q.name}") from None
+    return LabeledItem(request, golds)
+
+
 def gold_index(question: Question, value: Any) -> int:
+    """The index of the candidate ``value`` names; a ValueError saying what the question's gold may be."""
     if question.kind == "yes_no":
         if not isinstance(value, bool):
-            raise ValueError(f"gold for predicate {question.name!r} must be true or false")
+            raise ValueError(f"must be true or false (a predicate's answer), not {value!r}")
         return 0 if value else 1
     if question.kind == "choice":
         for i, option in enumerate(question.options):
             if type(option.value) is type(value) and option.value == value:
                 return i
-        raise ValueError(f"gold {value!r} is not a choice of {question.name!r}")
+        raise ValueError(f"{value!r} is not one of the choices "
+                         f"({', '.join(repr(option.value) for option in question.options)})")
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(question.levels):
         return value
     for i, level in enumerate(question.levels):
         if level.label == value:
             return i
-    raise ValueError(f"gold {value!r} is not a level (index or label) of {question.name!r}")
+    raise ValueError(f"{value!r} is not a level: its index from 0 or one of the labels "
+                     f"({', '.join(repr(level.label) for level in question.levels)})")
 
 
 def mode_name(order: str, calibrate_mode: str, fitted: bool = False) -> str:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from .common import load_config, refuse
 
 if TYPE_CHECKING:
+    from ..gateway.settings import GatewayConfig
+    from ..store.db import Database
     from ..store.keys import KeyStore
 
 
@@ -63,14 +65,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
     """Managed keys in the database the server uses (``--config``'s database_url, or DECISIOND_DATABASE_URL, or
     the default SQLite file): the same code as the admin API."""
     # Lazy: the gateway's configuration models (start-up time).
-    from ..gateway.config import ConfigError
-    from ..gateway.service import DATABASE_URL_ENV
     from ..gateway.settings import unknown_guardrail
 
-    try:
-        config = load_config(args)
-    except ConfigError as error:
-        return refuse(error)
+    config = load_config(args)
     guardrails = list(dict.fromkeys(g.strip() for g in (getattr(args, "guardrails", None) or "").split(",")
                                     if g.strip()))
     defined = [g.name for g in config.guardrails] if config else []
@@ -78,20 +75,35 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if missing is not None:  # checked against the server's config, as the admin API checks them
         return refuse(f"unknown guardrail {missing!r}; configured guardrails: "
                       f"{', '.join(repr(n) for n in defined) or 'none (give the server config with --config)'}")
-    url = args.database_url or (config.database_url if config else None) or os.environ.get(DATABASE_URL_ENV)
     try:
-        return asyncio.run(_keys(args, url, guardrails))
+        return asyncio.run(_keys(args, config, guardrails))
     except ValueError as error:
         return refuse(error)
 
 
-async def _keys(args: argparse.Namespace, url: str | None, guardrails: list[str]) -> int:
-    """``keys create``, ``list`` or ``revoke`` on the database at ``url``; the exit code."""
+async def _open_database(args: argparse.Namespace, config: GatewayConfig | None) -> Database:
+    """The database the server uses: ``--database-url``, else the config's database_url, else
+    DECISIOND_DATABASE_URL, else the default SQLite file. One that cannot be opened is refused naming the setting
+    (and the file) it came from."""
+    # Lazy: the gateway and SQLAlchemy (start-up time). The server's own opening: its refusals, word for word.
+    from ..gateway.service import DATABASE_URL_ENV
+    from ..gateway.service import _open_database as open_database
+
+    if args.database_url:
+        return await open_database(args.database_url, "--database-url")
+    if config is not None and config.database_url:
+        return await open_database(config.database_url, f"{args.config}: database_url")
+    if os.environ.get(DATABASE_URL_ENV):
+        return await open_database(os.environ[DATABASE_URL_ENV], DATABASE_URL_ENV)
+    return await open_database(None, "database_url")
+
+
+async def _keys(args: argparse.Namespace, config: GatewayConfig | None, guardrails: list[str]) -> int:
+    """``keys create``, ``list`` or ``revoke`` on the server's database; the exit code."""
     # Lazy: SQLAlchemy (start-up time).
-    from ..store.db import Database
     from ..store.keys import KeyStore
 
-    db = await Database.open(url)
+    db = await _open_database(args, config)
     store = KeyStore(db)
     try:
         if args.action == "create":
@@ -134,26 +146,22 @@ def cmd_usage(args: argparse.Namespace) -> int:
     printed as a table."""
     # Lazy: the gateway and SQLAlchemy (start-up time).
     from ..gateway import usage
-    from ..gateway.config import ConfigError
-    from ..gateway.service import DATABASE_URL_ENV
-    from ..store.db import Database
 
+    config = load_config(args)
+    groups = [g.strip() for g in args.group_by.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in usage.GROUPS]
+    if unknown:
+        return refuse(f"--group-by: unknown group {unknown[0]!r}; use {', '.join(usage.GROUPS)}")
     try:
-        config = load_config(args)
-        groups = [g.strip() for g in args.group_by.split(",") if g.strip()]
-        unknown = [g for g in groups if g not in usage.GROUPS]
-        if unknown:
-            raise ConfigError(f"--group-by: unknown group {unknown[0]!r}; use {', '.join(usage.GROUPS)}")
         start = datetime.combine(date.fromisoformat(args.start), datetime.min.time(), timezone.utc) \
             if args.start else None
         end = datetime.combine(date.fromisoformat(args.end), datetime.min.time(), timezone.utc) + timedelta(days=1) \
             if args.end else None
-    except (ConfigError, ValueError) as error:
+    except ValueError as error:
         return refuse(error)
-    url = args.database_url or (config.database_url if config else None) or os.environ.get(DATABASE_URL_ENV)
 
     async def run() -> list[dict[str, Any]]:
-        db = await Database.open(url)
+        db = await _open_database(args, config)
         try:
             return await usage.summary(db, groups, usage.UsageFilter(start=start, end=end,
                                                                      request_type=args.request_type))

@@ -1,5 +1,9 @@
-"""What the command families share: the model, quality and scheduling argument groups, loading a local engine or
-building a router from a gateway config, the loopback check, and the one shape of a refusal on stderr.
+"""What the command families share: the model, quality and scheduling argument groups, reading the files a command
+was given (before any model loads), loading a local engine or building a router from a gateway config, the loopback
+check, and the one shape of a refusal on stderr.
+
+A file that cannot be used raises ``InputError`` where it is read (``decisiond.errors``: the file, line and field
+at fault); ``cli.main`` prints it as the one line ``decisiond: FILE:LINE: FIELD: what is wrong`` and exits 2.
 
 The ``decisiond`` imports below that pull in torch (``decisiond.engine``) or the gateway's pydantic and SQLAlchemy
 models are made inside the functions that need them: ``decisiond --help`` and building the parser stay fast."""
@@ -9,9 +13,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InputError
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
 
 if TYPE_CHECKING:
@@ -79,14 +86,14 @@ def local_engine(args: argparse.Namespace) -> LocalEngine:
     from ..engine import model as model_mod
     from ..engine.local import LocalEngine
 
-    loaded = model_mod.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name)
-    log.info("model loaded", extra={"model": loaded.name, "path": loaded.path, "dtype": loaded.dtype,
-                                    "device": loaded.device, "context_length": loaded.context_length})
     options: dict[str, Any] = {}
     if hasattr(args, "max_batch_tokens"):
         options = scheduling(args)
-    if hasattr(args, "order"):
+    if hasattr(args, "order"):  # the profile read before the model loads: a file that is not one is refused at once
         options.update(order=args.order, calibrate=args.calibrate, profile=load_profile(args.calibration))
+    loaded = model_mod.load(args.model, dtype=args.dtype, device=args.device, served_name=args.served_model_name)
+    log.info("model loaded", extra={"model": loaded.name, "path": loaded.path, "dtype": loaded.dtype,
+                                    "device": loaded.device, "context_length": loaded.context_length})
     return LocalEngine(loaded, **options)
 
 
@@ -116,6 +123,52 @@ def load_config(args: argparse.Namespace) -> GatewayConfig | None:
     return gateway_config.load(args.config) if getattr(args, "config", None) else None
 
 
+def read_inputs(args: argparse.Namespace) -> GatewayConfig | None:
+    """Read and check the files a command that loads models was given, before it loads one: the gateway config
+    (returned) and every calibration profile named, by ``--calibration`` or by the config's local providers."""
+    config = load_config(args)
+    profiles = [getattr(args, "calibration", None)]
+    if config is not None:
+        profiles += [provider.calibration for provider in config.providers if provider.type == "local"]
+    for path in dict.fromkeys(p for p in profiles if p):
+        load_profile(path)
+    return config
+
+
+def read_input(path: str) -> bytes:
+    """The bytes of the file ``path`` (``-``: stdin)."""
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise InputError.unreadable(path, error) from None
+
+
+def check_readable(path: str | os.PathLike[str]) -> None:
+    """Refuse a file that cannot be opened for reading (missing, a folder, not permitted) now, not once the model
+    is loaded."""
+    try:
+        open(path, "rb").close()
+    except OSError as error:
+        raise InputError.unreadable(path, error) from None
+
+
+def check_writable(path: str | os.PathLike[str] | None) -> None:
+    """Refuse an output file that could not be written (a folder, in a folder that does not exist) now, not once
+    the work is done."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise InputError("cannot write it: it is a folder", path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise InputError(f"cannot write it: the folder {folder} does not exist", path)
+    if not os.access(folder if not target.exists() else target, os.W_OK):
+        raise InputError("cannot write it: permission denied", path)
+
+
 def build_router(args: argparse.Namespace, config: GatewayConfig | None = None) -> Router:
     """With a config: the gateway it describes (local providers load their models); without: the local engine
     alone."""
@@ -131,12 +184,12 @@ def build_router(args: argparse.Namespace, config: GatewayConfig | None = None) 
             from ..engine import model as model_mod
             from ..engine.local import LocalEngine
 
+            profile = load_profile(provider.calibration or args.calibration)  # before the model loads
             loaded = model_mod.load(provider.model or "default", dtype=provider.dtype, device=args.device,
                                     served_name=provider.served_model_name)
             engines[provider.name] = LocalEngine(
                 loaded, **(scheduling(args) if hasattr(args, "max_batch_tokens") else {}),
-                order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate,
-                profile=load_profile(provider.calibration or args.calibration))
+                order=provider.order or args.order, calibrate=provider.calibrate or args.calibrate, profile=profile)
     log.info("gateway configured", extra={"providers": [p.name for p in config.providers],
                                           "models": [m.name for m in config.models],
                                           "virtual_models": [v.name for v in config.virtual_models]})

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .common import build_router, load_config, refuse
+from ..errors import InputError
+from .common import build_router, check_writable, read_inputs, refuse
 
 if TYPE_CHECKING:
     from ..engine.local import LocalEngine
+    from ..evaluation import LabeledItem
 
 
 def _add_labeled_args(p: argparse.ArgumentParser) -> None:
@@ -112,9 +114,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # Lazy: the evaluation brings numpy and pydantic, its diagram matplotlib (start-up time).
     from .. import evaluation, evaluation_report
 
+    items = evaluation.load(args.file)  # before any model loads
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise InputError("cannot write the report there: it is a file, not a folder", args.out_dir)
     if args.cascade is not None:
-        return _eval_cascade(args)
-    items = evaluation.load(args.file)
+        return _eval_cascade(args, items)
     report = evaluation.evaluate(_load_engine_for(args), items, threshold=args.threshold, with_bias=args.bias,
                                  coverage=args.coverage, resamples=args.resamples, seed=args.seed)
     out = Path(args.out_dir)
@@ -127,22 +131,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_cascade(args: argparse.Namespace) -> int:
+def _eval_cascade(args: argparse.Namespace, items: list[LabeledItem]) -> int:
     """``eval --cascade``: the cascade's thresholds side by side (``decisiond.cascade_eval``); cascade.json and
     cascade.png."""
     # Lazy: the gateway (and torch for local models), matplotlib (start-up time).
     import asyncio
 
-    from .. import cascade_eval, evaluation
-    from ..gateway.config import ConfigError
+    from .. import cascade_eval
 
     if args.config is None:
         return refuse("--cascade needs --config: the gateway YAML that defines the cascade and its targets")
-    try:
-        router = build_router(args, load_config(args))
-    except ConfigError as error:
-        return refuse(error)
-    items = evaluation.load(args.file)
+    router = build_router(args, read_inputs(args))
 
     async def run() -> dict[str, Any]:
         try:
@@ -170,7 +169,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .. import evaluation
     from ..engine.calibration import FOLDS
 
-    items = evaluation.load(args.file)
+    items = evaluation.load(args.file)  # before the model loads
+    check_writable(args.out)
     profile, summary = evaluation.calibrate(_load_engine_for(args), items, order=args.order,
                                             calibrate_mode=args.calibrate, with_bias=args.bias, auto=args.auto,
                                             source=args.file, resamples=args.resamples, seed=args.seed)
@@ -197,6 +197,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The side-by-side benchmark; writes markdown (and JSON) reports."""
+    check_writable(args.out)  # before the benchmark runs, not after
+    check_writable(args.json)
     if args.gateway:
         return _bench_gateway(args)
     # Lazy: the benchmark imports torch (start-up time).

@@ -17,8 +17,8 @@ from .common import (
     add_scheduling_args,
     build_router,
     is_loopback,
-    load_config,
     log,
+    read_inputs,
     refuse,
 )
 
@@ -61,15 +61,11 @@ def register_mcp(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    # Lazy: the gateway's configuration models (start-up time).
-    from ..gateway.config import ConfigError
+    config = read_inputs(args)  # first: a file that cannot be used is refused at once
+    # Lazy: the gateway (start-up time).
     from ..gateway.service import Gateway
     from ..gateway.settings import GatewayConfig
 
-    try:
-        config = load_config(args)
-    except ConfigError as error:
-        return refuse(error)
     unauthenticated = not Gateway.keys_configured(config or GatewayConfig())
     if unauthenticated and not is_loopback(args.host) and not args.allow_unauthenticated:
         return refuse(f"refusing to serve {args.host} without an API key: set auth.master_key in the config or "
@@ -84,10 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..gateway.service import prepare
     from .workers import serve_workers
 
-    try:
-        asyncio.run(prepare(config or GatewayConfig()))  # migrations and the config's budgets, once
-    except ConfigError as error:
-        return refuse(error)
+    asyncio.run(prepare(config or GatewayConfig()))  # migrations and the config's budgets, once
     from ..server.metrics import share_between_processes
 
     sock = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()  # type: ignore[arg-type]
@@ -151,16 +144,15 @@ async def _serve(server: Any, gateway: Gateway, args: argparse.Namespace, sock: 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
     """The MCP server over stdio (tools decide and list_models), on the model or the gateway config given."""
+    config = read_inputs(args)  # first: a file that cannot be used is refused at once
     # Lazy: the gateway, the MCP server and decisiond.engine (torch) (start-up time).
     from ..engine.model import ModelNotFound
-    from ..gateway.config import ConfigError
     from ..gateway.service import Gateway
     from ..server import mcp as mcp_server
 
     try:
-        config = load_config(args)
         router = build_router(args, config)
-    except (ConfigError, ModelNotFound) as error:
+    except ModelNotFound as error:
         return refuse(error)
     mcp_server.build(Gateway(router, config)).run("stdio")
     return 0

@@ -33,6 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .. import probability
+from ..errors import InputError
 
 CONTENT_FREE = ("N/A", "", "[MASK]")
 ORDERS = ("given", "cyclic")
@@ -285,8 +286,16 @@ def regularised_fit(samples: list[Sample], contextual: bool = False, with_bias: 
 # ------------------------------------------------------------------------------------------- profile
 
 
-class ProfileError(ValueError):
+class ProfileError(InputError):
     """A calibration profile that cannot be read, or was fitted for another model, prompt format or mode."""
+
+
+# A profile's fields: the JSON type each holds (a bool is not an integer here), and how a refusal names it.
+_PROFILE_FIELDS: dict[str, tuple[type, str]] = {
+    "model": (str, "a string"), "prompt_format_version": (int, "an integer"), "order": (str, "a string"),
+    "calibrate": (str, "a string"), "fits": (dict, "an object"), "data": (dict, "an object")}
+_PROFILE_REQUIRED = ("model", "prompt_format_version")
+_PROFILE_CHOICES = {"order": ORDERS, "calibrate": CALIBRATIONS}
 
 
 @dataclass
@@ -333,12 +342,44 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
+        """The profile ``save`` wrote to ``path``; a ``ProfileError`` naming the file (and the line or the field)
+        where it is not one."""
         try:
-            data = json.loads(Path(path).read_text())
-            fits = {kind: Fit(**f) for kind, f in data.pop("fits", {}).items()}
-            profile = cls(fits=fits, **data)
-        except (OSError, ValueError, TypeError, AttributeError) as e:
-            raise ProfileError(f"{path}: not a decisiond calibration profile ({e})") from e
-        if profile.order not in ORDERS or profile.calibrate not in CALIBRATIONS:
-            raise ProfileError(f"{path}: unknown mode order={profile.order!r} calibrate={profile.calibrate!r}")
-        return profile
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProfileError.unreadable(path, e) from None
+
+        def wrong(message: str, field: str | None = None, line: int | None = None) -> ProfileError:
+            return ProfileError(f"{message}: not a decisiond calibration profile (one is written by 'decisiond "
+                                f"calibrate')", path, line, field)
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise wrong(f"not JSON ({e.msg}, column {e.colno})", line=e.lineno) from None
+        if not isinstance(data, dict):
+            raise wrong("not a JSON object")
+        for name in data:
+            if name not in _PROFILE_FIELDS:
+                raise wrong("unknown field", name)
+        for name, (kind, described) in _PROFILE_FIELDS.items():
+            if name not in data:
+                if name in _PROFILE_REQUIRED:
+                    raise wrong("missing", name)
+            elif not isinstance(data[name], kind) or isinstance(data[name], bool):
+                raise wrong(f"must be {described}", name)
+            elif name in _PROFILE_CHOICES and data[name] not in _PROFILE_CHOICES[name]:
+                raise wrong(f"{data[name]!r} is not one of {', '.join(_PROFILE_CHOICES[name])}", name)
+        fits = {}
+        for kind, fit in data.pop("fits", {}).items():
+            temperature, bias = (fit.get("temperature", 1.0), fit.get("bias", [])) if isinstance(fit, dict) else (0, 0)
+            if not (isinstance(fit, dict) and set(fit) <= {"temperature", "bias"} and _number(temperature)
+                    and isinstance(bias, list) and all(_number(b) for b in bias)):
+                raise wrong("must be an object with a temperature (a number) and a bias (a list of numbers)",
+                            f"fits.{kind}")
+            fits[kind] = Fit(float(temperature), [float(b) for b in bias])
+        return cls(fits=fits, **data)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -18,9 +18,10 @@ class Engine(Decider):
     """Decision models in this process, behind the same gateway pipeline as the server (limits, model names,
     validation). Build one with ``load()``, or from a ``LocalEngine`` or a configured ``Router``.
 
-    >>> engine = decisiond.load("default")                                   # doctest: +SKIP
-    >>> engine.decide("The app crashes on start.", [Predicate("bug", "Is this a bug report?")])["bug"].probability
-    0.87
+    Examples:
+        >>> engine = decisiond.load("default")                                   # doctest: +SKIP
+        >>> engine.decide("The app crashes on start.", [Predicate("bug", "Is this a bug report?")])["bug"].probability
+        0.87
     """
 
     def __init__(self, source: LocalEngine | Router, model: str = "default"):
@@ -59,12 +60,13 @@ def load(model: str = "default", *, dtype: str = "float32", device: str = "auto"
     a ``.gguf`` file or a hub id. ``order``/``calibrate`` are the model's quality defaults, ``calibration`` a
     profile written by ``decisiond calibrate``; ``max_batch_tokens``/``max_wait_s`` tune batching.
 
-    >>> engine = decisiond.load("default", order="cyclic")                   # doctest: +SKIP
+    Examples:
+        >>> engine = decisiond.load("default", order="cyclic")                   # doctest: +SKIP
     """
     from ..engine import model as model_mod
     from ..engine.calibration import Profile
     from ..engine.local import LocalEngine
 
+    profile = Profile.load(calibration) if calibration else None  # a file that is not one: refused before the load
     loaded = model_mod.load(model, dtype=dtype, device=device, served_name=served_name)
-    profile = Profile.load(calibration) if calibration else None
     return Engine(LocalEngine(loaded, order=order, calibrate=calibrate, profile=profile, **scheduling))
