@@ -45,7 +45,7 @@ from decisiond import (
 )
 from decisiond.canonical import DecisionRequest, Level, Message, Option, Question, Text
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_API = Path(__file__).resolve().parents[1] / "docs" / "reference" / "python.md"
 TICKET = "I was charged twice for my subscription. Please refund me today."
 QUESTIONS = [
     Predicate("billing", "Is this ticket about billing?"),
@@ -55,7 +55,7 @@ QUESTIONS = [
 
 
 def test_exported_names_are_exactly_the_documented_ones():
-    section = README.read_text().split("<!-- library-names -->")[1]
+    section = PYTHON_API.read_text().split("<!-- library-names -->")[1]
     documented = set(re.findall(r"`([A-Za-z_]+)`", section))
     assert set(decisiond.__all__) == documented
     for name in decisiond.__all__:

@@ -1,6 +1,6 @@
 """The public surface is ``decisiond.__all__`` and nothing else: the top-level package exports exactly what the
-README promises, every name it lists exists, and no internal module declares an ``__all__`` of its own (so nothing
-inside reads as public API)."""
+Python API page (``docs/reference/python.md``) promises, every name it lists exists, and no internal module
+declares an ``__all__`` of its own (so nothing inside reads as public API)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 import decisiond
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_API = Path(__file__).resolve().parents[1] / "docs" / "reference" / "python.md"
 
 # Modules the walk must find (a broken walk would make every test below vacuous).
 EXPECTED = {
@@ -85,6 +85,6 @@ def test_top_level_exports_match_the_package_namespace_and_the_readme():
     }
     assert attributes == set(decisiond.__all__) - {"__version__"}
     assert list(decisiond.__all__) == sorted(decisiond.__all__)
-    # ... and the list is the one the README promises.
-    section = README.read_text().split("<!-- library-names -->")[1]
+    # ... and the list is the one the Python API page promises.
+    section = PYTHON_API.read_text().split("<!-- library-names -->")[1]
     assert set(decisiond.__all__) == set(re.findall(r"`([A-Za-z_]+)`", section))

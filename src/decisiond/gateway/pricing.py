@@ -27,22 +27,29 @@ MTOK = 1_000_000
 
 
 class LongContext(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     above_tokens: int = Field(ge=1)
+    """Requests with more input tokens than this..."""
     input_per_mtok: float = Field(ge=0)
+    """...pay this input rate (USD per million tokens) for all of them."""
 
 
 class Pricing(BaseModel):
     """A model's (or a provider's default) price."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     input_per_mtok: float | None = Field(default=None, ge=0)
+    """USD per million input tokens."""
     output_per_mtok: float | None = Field(default=None, ge=0)
+    """USD per million output tokens."""
     cached_input_per_mtok: float | None = Field(default=None, ge=0)
+    """USD per million cached input tokens, where the upstream reports them."""
     long_context: LongContext | None = None
+    """A higher input rate above a number of input tokens."""
     per_request: float | None = Field(default=None, ge=0)
+    """Or a flat price per call, whatever the tokens."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> "Pricing":

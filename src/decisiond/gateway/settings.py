@@ -52,13 +52,18 @@ def check_redis_url(url: str | None) -> str | None:
 class Limits(BaseModel):
     """A provider's limits, checked after OpenAI's; None means no limit of its own."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_questions: int | None = None
+    """Most questions in one request."""
     max_choices: int | None = None
+    """Most options of one choice question."""
     max_levels: int | None = None
+    """Most levels of one score question."""
     max_tokens: int | None = None
+    """Most input tokens of one request."""
     max_question_tokens: int | None = None
+    """Most tokens of one question's instructions."""
 
 
 USER_PATH = re.compile(r"^/([A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*)?$")
@@ -85,33 +90,49 @@ DETECTOR_NAMES: tuple[Detector, ...] = ("email", "phone", "card", "iban", "ip")
 
 
 class PatternConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     pattern: str = Field(min_length=1, max_length=1000)
-    action: Action | None = None  # else the guardrail's action
+    """A Python regular expression."""
+    action: Action | None = None
+    """What a match does; unset: the guardrail's action."""
     replacement: str = "[REDACTED]"
+    """What a redacted match is replaced with."""
 
 
 class GuardrailConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
+    """The name models, virtual models and keys list it by."""
     type: Literal["regex", "pii", "decision_judge"]
+    """``regex`` (patterns), ``pii`` (detectors) or ``decision_judge`` (a decision model asked a yes/no question)."""
     order: int = 0
+    """Guardrails run in ascending order."""
     action: Action = "block"
+    """``block`` (400), ``warn`` (a header, the request goes on) or ``redact`` (matches replaced)."""
     fail_mode: Literal["closed", "open"] = "closed"
+    """When the guardrail itself fails (a judge that errors or times out): ``closed`` refuses the request, ``open``
+    lets it through.
+    """
     timeout_ms: int = Field(default=5000, ge=1)
-    # regex
+    """How long a judge may take."""
     patterns: list[PatternConfig] = Field(default_factory=list)
-    # pii
+    """regex: the patterns."""
     detectors: list[Detector] = Field(default_factory=lambda: list(DETECTOR_NAMES))
-    # decision_judge
+    """pii: which detectors run."""
     model: str | None = None
+    """decision_judge: the model (or virtual model) that judges."""
     instructions: str | None = None
+    """decision_judge: the yes/no question asked of the request's text."""
     yes: str | None = None
+    """decision_judge: what yes means (a description of the option)."""
     no: str | None = None
+    """decision_judge: what no means."""
     threshold: float = Field(default=0.5, ge=0, le=1)
+    """decision_judge: P(yes) at or above which the guardrail acts."""
     user_path: str = "/guardrails"
+    """decision_judge: the user path the judge's own usage rows are charged to."""
 
     @model_validator(mode="after")
     def _complete(self) -> "GuardrailConfig":
@@ -140,17 +161,24 @@ def unknown_guardrail(names: Iterable[str], defined: Collection[str]) -> str | N
 class RateLimitConfig(BaseModel):
     """Limits on one scope (a key, a user-path subtree, a model or a provider); None means no limit."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     requests_per_second: int | None = Field(default=None, ge=1)
+    """Requests per second."""
     requests_per_minute: int | None = Field(default=None, ge=1)
+    """Requests per minute."""
     requests_per_hour: int | None = Field(default=None, ge=1)
+    """Requests per hour."""
     requests_per_day: int | None = Field(default=None, ge=1)
+    """Requests per day."""
     input_tokens_per_minute: int | None = Field(default=None, ge=1)
+    """Input tokens per minute, counted before the request is sent."""
     concurrent: int | None = Field(default=None, ge=1)
-    # Any other window: requests_per_window requests per window_seconds.
+    """Requests in flight at once."""
     requests_per_window: int | None = Field(default=None, ge=1)
+    """Any other window: this many requests per ``window_seconds``."""
     window_seconds: int = Field(default=60, ge=1, le=86400)
+    """The window of ``requests_per_window``."""
 
     def empty(self) -> bool:
         return all(v is None for k, v in self.model_dump().items() if k != "window_seconds")
@@ -162,76 +190,110 @@ class ChatTimeouts(BaseModel):
     answer (for a non-streamed answer, most upstreams send nothing before it is complete) and each silence between
     chunks are bounded. Past one before the client's first byte, the next target of a virtual model is tried."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     connect_timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds to connect to the provider."""
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds until the answer's first byte."""
     idle_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds of silence allowed between two chunks of a streamed answer."""
 
 
 class ProviderConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
-    # A registered provider type (``gateway.providers.REGISTRY``): openai, azure, systemone, local.
+    """The name models refer to it by."""
     type: str
+    """A registered provider type (``gateway.providers.REGISTRY``): openai, azure, systemone, local."""
     base_url: str | None = None
+    """The upstream's URL (openai, azure, systemone); unset: the provider type's default."""
     api_key: str | None = None
-    api_version: str | None = None  # azure
-    model: str | None = None  # local: the model spec (default, a folder, a .gguf, a hub id)
-    served_model_name: str | None = None  # local: the name it answers to (default: from model)
-    dtype: str = "float32"  # local
-    order: Literal["given", "cyclic"] | None = None  # local: default option order (else the CLI's)
-    calibrate: Literal["none", "contextual"] | None = None  # local: default calibration (else the CLI's)
-    calibration: str | None = None  # local: a profile from `decisiond calibrate`
-    # Seconds one attempt may take (connect included); short enough by default that a hanging first target
-    # leaves a failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
+    """The upstream's key, best given as ``${ENV}``; never logged or listed."""
+    api_version: str | None = None
+    """azure: the API version."""
+    model: str | None = None
+    """local: the model spec (default, a folder, a .gguf, a hub id)."""
+    served_model_name: str | None = None
+    """local: the name it answers to (default: from model)."""
+    dtype: str = "float32"
+    """local: the weights' dtype (float32, bfloat16, float16)."""
+    order: Literal["given", "cyclic"] | None = None
+    """local: default option order (else the CLI's)."""
+    calibrate: Literal["none", "contextual"] | None = None
+    """local: default calibration (else the CLI's)."""
+    calibration: str | None = None
+    """local: a profile from `decisiond calibrate`."""
     timeout: float = Field(default=4.0, gt=0)
+    """Seconds one attempt may take (connect included); short enough by default that a hanging first target leaves a
+    failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
+    """
     connect_timeout: float = Field(default=2.0, gt=0)
-    # Chat traffic's own timeouts (connect, first byte, between chunks).
+    """Seconds to connect, within ``timeout``."""
     chat: ChatTimeouts = Field(default_factory=ChatTimeouts)
-    # Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``).
+    """Chat traffic's own timeouts (connect, first byte, between chunks)."""
     images: bool | None = None
+    """Whether the provider reads images; None leaves it to the provider type (see its ``images_by_default``)."""
     limits: Limits | None = None
+    """The provider's request limits, checked after OpenAI's."""
     rate_limits: RateLimitConfig | None = None
-    # The default price of this provider's models (see gateway.pricing); a model's own price wins.
+    """Limits shared by every request to this provider."""
     pricing: Pricing | None = None
+    """The default price of this provider's models (see gateway.pricing); a model's own price wins."""
     headers: dict[str, str] = Field(default_factory=dict)
-    # Whether its answers are cached (see ``CacheConfig``); None: local providers yes, upstream providers no.
+    """Extra headers sent with every upstream request."""
     cache: bool | None = None
+    """Whether its answers are cached (see ``CacheConfig``); None: local providers yes, upstream providers no."""
 
 
 class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
+    """The name clients ask for."""
     provider: str
-    upstream: str | None = None  # the provider's model name (Azure: the deployment); defaults to name
+    """The provider that serves it."""
+    upstream: str | None = None
+    """The provider's model name (Azure: the deployment); defaults to ``name``."""
     capabilities: list[str] = Field(default_factory=lambda: ["decisions"])
+    """What it serves: ``decisions``, ``score``, ``chat``."""
     images: bool | None = None
+    """Whether it reads images; unset: its provider's setting."""
     description: str = ""
+    """Shown in ``GET /v1/models``."""
     rate_limits: RateLimitConfig | None = None
+    """Limits shared by every caller of this model."""
     guardrails: list[str] = Field(default_factory=list)
+    """Guardrails (by name) every request to it runs through."""
     pricing: Pricing | None = None
-    # The most output tokens an answer may bill when the request sets no max_tokens of its own (budgets reserve it).
+    """Its price (else its provider's)."""
     max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
-    # Whether its answers are cached; None leaves it to its provider.
+    """The most output tokens an answer may bill when the request sets no max_tokens of its own (budgets reserve it)."""
     cache: bool | None = None
+    """Whether its answers are cached; None leaves it to its provider."""
 
 
 class StaticKeyConfig(BaseModel):
     """A key listed in the YAML: its secret from the environment (``key: ${ENV}``) or its SHA-256
     (``key_sha256: <hex>``), never stored in clear past start-up."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1, max_length=200)
+    """The key's name (its id is ``static:<name>``)."""
     key: str | None = Field(default=None, min_length=16, repr=False)
+    """The secret, at least 16 characters, best given as ``${ENV}``."""
     key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """Or the secret's SHA-256, in hex."""
     user_path: str = "/"
+    """Where its usage is counted (``/team/alpha``); budgets and limits of the subtrees above it apply."""
     models: list[str] | None = None
+    """The models (and virtual models) it may use; unset: all."""
     rate_limits: RateLimitConfig | None = None
+    """Limits on this key."""
     guardrails: list[str] = Field(default_factory=list)
+    """Guardrails (by name) every request made with it runs through."""
 
     @model_validator(mode="after")
     def _one_secret(self) -> "StaticKeyConfig":
@@ -242,11 +304,12 @@ class StaticKeyConfig(BaseModel):
 
 
 class AuthConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    # The master key; DECISIOND_MASTER_KEY is used when this is not set.
     master_key: str | None = Field(default=None, min_length=16, repr=False)
+    """The master key; DECISIOND_MASTER_KEY is used when this is not set."""
     keys: list[StaticKeyConfig] = Field(default_factory=list)
+    """Keys listed in the file (managed keys live in the database: ``decisiond keys``, ``/admin/keys``)."""
 
 
 class CacheConfig(BaseModel):
@@ -254,13 +317,16 @@ class CacheConfig(BaseModel):
     ``redis_url`` is set. Which models it applies to: ``cache`` on a virtual model, a model or a provider (any
     ``false`` wins, then any ``true``), else local models only."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     enabled: bool = True
+    """Whether the cache runs at all."""
     ttl: float = Field(default=CACHE_TTL_S, gt=0)
+    """Seconds an entry lives."""
     max_bytes: int = Field(default=CACHE_MAX_BYTES, ge=0)
-    # Entries shared by several replicas (redis://…); in-process memory only when unset.
+    """Memory for in-process entries (least recently used out first)."""
     redis_url: str | None = Field(default=None, repr=False)
+    """Entries shared by several replicas (redis://…); in-process memory only when unset."""
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 
@@ -269,6 +335,7 @@ class UserPathLimit(RateLimitConfig):
     """Limits shared by every caller whose user path is ``user_path`` or below it."""
 
     user_path: str
+    """The subtree (``/team/alpha``) whose callers share these limits."""
 
     @model_validator(mode="after")
     def _path(self) -> "UserPathLimit":
@@ -280,14 +347,20 @@ class BudgetConfig(BaseModel):
     """A spending limit in USD on one scope — a key (its id: a managed key's ``key_...`` or ``static:<name>``), a
     user-path subtree or a model — per UTC calendar hour/day/week/month or per ``period_seconds``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     key: str | None = Field(default=None, min_length=1, max_length=200)
+    """Scope: a key's id (``key_...`` for a managed key, ``static:<name>``)."""
     user_path: str | None = None
+    """Scope: a user-path subtree."""
     model: str | None = Field(default=None, min_length=1, max_length=200)
+    """Scope: a model or virtual model."""
     limit_usd: NonNegativeFloat
+    """The most the scope may spend in one period, in USD."""
     period: Literal["hourly", "daily", "weekly", "monthly"] | None = None
+    """A UTC calendar period."""
     period_seconds: int | None = Field(default=None, ge=1, le=366 * 86400)
+    """Or a rolling period of this many seconds."""
 
     @model_validator(mode="after")
     def _one_scope(self) -> "BudgetConfig":
@@ -302,55 +375,69 @@ class BudgetConfig(BaseModel):
 
 
 class AuditConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    # Keep request and response bodies with each usage row (secrets and redact_fields replaced).
     log_bodies: bool = False
-    # Extra field names (at any depth) to redact from logged bodies, besides the built-in secret names.
+    """Keep request and response bodies with each usage row (secrets and redact_fields replaced)."""
     redact_fields: list[str] = Field(default_factory=list)
-    # Usage and audit rows older than this are purged (hourly); None keeps them.
+    """Extra field names (at any depth) to redact from logged bodies, besides the built-in secret names."""
     retention_days: int | None = Field(default=90, ge=1)
+    """Usage and audit rows older than this are purged (hourly); None keeps them."""
 
 
 class GatewayConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     auth: AuthConfig = Field(default_factory=AuthConfig)
-    # Where managed keys (and, later, usage and budgets) live: a SQLite file by default, PostgreSQL to share it.
+    """The master key and the keys listed in the file."""
     database_url: str | None = None
-    # Shared rate-limit counters for several replicas; in-process memory when unset.
+    """Where managed keys, usage rows and budget spend live: a SQLite file by default, PostgreSQL to share them."""
     redis_url: str | None = None
-    # The directory of the usage journal (``gateway.journal``): by default beside the SQLite file, else in the data
-    # directory (one per database). A local disk: records wait there until the database has them.
+    """Shared rate-limit counters for several replicas; in-process memory when unset."""
     usage_journal: str | None = None
+    """The directory of the usage journal (``gateway.journal``): by default beside the SQLite file, else in the data
+    directory (one per database). A local disk: records wait there until the database has them.
+    """
     rate_limits: list[UserPathLimit] = Field(default_factory=list)
+    """Limits per user-path subtree."""
     cache: CacheConfig = Field(default_factory=CacheConfig)
-    # Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it).
+    """The exact response cache."""
     deadline: float = Field(default=DEFAULT_DEADLINE, gt=0)
+    """Seconds a decision request may spend on upstream attempts in all (local engines are not bounded by it)."""
     guardrails: list[GuardrailConfig] = Field(default_factory=list)
+    """Guardrails models, virtual models and keys may name."""
     providers: list[ProviderConfig] = Field(default_factory=list)
+    """Where answers come from: local engines and upstream providers."""
     models: list[ModelConfig] = Field(default_factory=list)
+    """The names clients ask for, each on one provider."""
     virtual_models: list[VirtualModelConfig] = Field(default_factory=list)
+    """Names for other models: failover, alias, cascade."""
     budgets: list[BudgetConfig] = Field(default_factory=list)
-    # While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
-    # their usage rows wait in the usage journal) or refused with 503 ("refuse").
+    """Spending limits in USD."""
     budgets_when_database_down: Literal["admit", "refuse"] = "admit"
-    # Seconds after which a budget reservation that was never settled (its replica crashed) is released.
+    """While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
+    their usage rows wait in the usage journal) or refused with 503 ("refuse").
+    """
     budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, gt=0)
+    """Seconds after which a budget reservation that was never settled (its replica crashed) is released."""
     audit: AuditConfig = Field(default_factory=AuditConfig)
-    # The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any
-    # name); defaults to the first local provider's model.
+    """What each usage row keeps, and for how long."""
     default_model: str | None = None
-    # Whether a request may name ``<provider>/<upstream>`` that no model entry covers (a raw upstream, with no policy
-    # of its own); even then only keys whose allowlist names it may use one (see gateway.catalog).
+    """The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any name);
+    defaults to the first local provider's model.
+    """
     allow_raw_upstreams: bool = False
-    # Seconds a concurrency slot held in Redis lives: a replica that dies holding slots frees them after this long.
+    """Whether a request may name ``<provider>/<upstream>`` that no model entry covers (a raw upstream, with no policy
+    of its own); even then only keys whose allowlist names it may use one (see gateway.catalog).
+    """
     concurrency_slot_ttl_s: float = Field(default=CONCURRENCY_SLOT_TTL_S, gt=0)
-    # Whether /openapi.json, /docs and /redoc answer without a key when keys are configured.
+    """Seconds a concurrency slot held in Redis lives: a replica that dies holding slots frees them after this long."""
     public_docs: bool = False
-    # Host names (besides loopback names and the address it serves on) a server without keys answers to: the
-    # Host header of every request must name one, so that DNS rebinding cannot reach an open server ("*": any).
+    """Whether /openapi.json, /docs and /redoc answer without a key when keys are configured."""
     allowed_hosts: list[str] = Field(default_factory=list)
+    """Host names (besides loopback names and the address it serves on) a server without keys answers to: the Host
+    header of every request must name one, so that DNS rebinding cannot reach an open server ("*": any).
+    """
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 

@@ -17,20 +17,28 @@ class VirtualModelConfig(BaseModel):
     """A name for other models: ``failover`` (the first target that answers), ``alias`` (one target), or ``cascade``
     (every question to the first target, those it is unsure of to the next: see ``gateway.cascade``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
+    """The name clients ask for."""
     strategy: Literal["failover", "alias", "cascade"] = "failover"
+    """``failover``: the first target that answers; ``alias``: its one target; ``cascade``: every question to the first
+    target, the unsure ones on to the next.
+    """
     targets: list[str] = Field(min_length=1)
-    # cascade: a question goes on to the next target when its confidence is below this (one number for every step,
-    # or one per step but the last); 0 never escalates, above 1 always does.
+    """Models or virtual models, in order."""
     escalate_below: NonNegativeFloat | list[NonNegativeFloat] | None = None
-    # Seconds for the whole request across its attempts, and for each attempt (else each provider's timeout).
+    """cascade: a question goes on to the next target when its confidence is below this (one number for every step, or
+    one per step but the last); 0 never escalates, above 1 always does.
+    """
     deadline: float | None = Field(default=None, gt=0)
+    """Seconds for the whole request across its attempts."""
     attempt_timeout: float | None = Field(default=None, gt=0)
+    """Seconds for each attempt (else each provider's timeout)."""
     guardrails: list[str] = Field(default_factory=list)
-    # Whether answers asked under this name are cached; None leaves it to the target that answers.
+    """Guardrails (by name) every request to it runs through."""
     cache: bool | None = None
+    """Whether answers asked under this name are cached; None leaves it to the target that answers."""
 
     @model_validator(mode="after")
     def _strategy_fits(self) -> "VirtualModelConfig":

@@ -76,9 +76,10 @@ class Client(Decider):
     ``retry-after`` headers in ``.headers``, …), no answer within ``timeout`` seconds as ``Timeout``
     (``client_timeout``), a refused or broken connection as ``ConnectionFailed``.
 
-    >>> client = decisiond.Client("http://127.0.0.1:8000", api_key="sk-…")  # doctest: +SKIP
-    >>> client.decide("I was charged twice.", [Predicate("billing", "About billing?")])["billing"].value
-    True
+    Examples:
+        >>> client = decisiond.Client("http://127.0.0.1:8000", api_key="sk-…")  # doctest: +SKIP
+        >>> client.decide("I was charged twice.", [Predicate("billing", "About billing?")])["billing"].value
+        True
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, *, model: str = "default", timeout: float = 60.0):

@@ -30,8 +30,9 @@ def _described(items: Sequence[Any] | Mapping[Any, str | None], key: str) -> lis
 class Predicate:
     """A yes/no question; its answer is ``PredicateAnswer.probability`` = P(yes).
 
-    >>> Predicate("billing", "Is this ticket about billing?").to_dict()["type"]
-    'predicate'
+    Examples:
+        >>> Predicate("billing", "Is this ticket about billing?").to_dict()["type"]
+        'predicate'
     """
 
     name: str
@@ -45,8 +46,9 @@ class Predicate:
 class Choice:
     """One of several options (strings or booleans), given as a list or as ``{value: description or None}``.
 
-    >>> Choice("team", "Which team?", {"billing": "Charges, invoices", "shipping": None}).to_dict()["choices"]
-    [{'value': 'billing', 'description': 'Charges, invoices'}, {'value': 'shipping'}]
+    Examples:
+        >>> Choice("team", "Which team?", {"billing": "Charges, invoices", "shipping": None}).to_dict()["choices"]
+        [{'value': 'billing', 'description': 'Charges, invoices'}, {'value': 'shipping'}]
     """
 
     name: str
@@ -62,8 +64,9 @@ class Choice:
 class Score:
     """A level on an ordered scale, lowest first, given as labels or ``{label: description or None}``.
 
-    >>> Score("urgency", "How urgent?", ["Can wait", "Today"]).to_dict()["levels"]
-    [{'label': 'Can wait'}, {'label': 'Today'}]
+    Examples:
+        >>> Score("urgency", "How urgent?", ["Can wait", "Today"]).to_dict()["levels"]
+        [{'label': 'Can wait'}, {'label': 'Today'}]
     """
 
     name: str
@@ -122,13 +125,14 @@ def questions_from(model: type[BaseModel]) -> list[Predicate | Choice | Score]:
     ``Enum`` → ``Choice``; ``Literal[int, …]`` → ``Score`` (levels in the order written). The field's
     description is the question's instructions (else the field name).
 
-    >>> from typing import Literal
-    >>> from pydantic import BaseModel, Field
-    >>> class Ticket(BaseModel):
-    ...     billing: bool | None = Field(None, description="Is this about billing?")
-    ...     team: Literal["billing", "shipping"] | None = None
-    >>> [type(q).__name__ for q in questions_from(Ticket)]
-    ['Predicate', 'Choice']
+    Examples:
+        >>> from typing import Literal
+        >>> from pydantic import BaseModel, Field
+        >>> class Ticket(BaseModel):
+        ...     billing: bool | None = Field(None, description="Is this about billing?")
+        ...     team: Literal["billing", "shipping"] | None = None
+        >>> [type(q).__name__ for q in questions_from(Ticket)]
+        ['Predicate', 'Choice']
     """
     return [_field_question(name, f.annotation, f.description) for name, f in model.model_fields.items()]
 
