@@ -76,7 +76,8 @@ def test_bench_gateway_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(raw.read_text())
     ran = set(report["table"])
-    assert {"upstream", "keyless", "keyed-sqlite"} <= ran
+    assert {"upstream", "keyless", "keyless-traced", "keyed-sqlite"} <= ran
+    assert report["traces_received"]["exports"] > 0 and report["traces_received"]["bytes"] > 0  # traces were sent
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # CI installs PostgreSQL and Redis
         assert "keyed-postgres-redis" in ran, report["skipped"]
     for name, by_clients in report["table"].items():
@@ -88,6 +89,7 @@ def test_bench_gateway_end_to_end(tmp_path):
     assert all(set(by) == {"1", "2"} and min(by.values()) > 0 for by in report["shared"].values())
     text = out.read_text()
     assert "| keyless |" in text and "One budget shared by the workers" in text
+    assert "Traces on (keyless-traced against keyless)" in text
 
 
 def test_the_mock_upstream_answers_every_question_asked_and_nothing_else():
@@ -101,3 +103,12 @@ def test_the_mock_upstream_answers_every_question_asked_and_nothing_else():
     assert answers[0]["probability"] == 0.7 and [p["probability"] for p in answers[1]["probabilities"]] == [0.6, 0.4]
     assert upstream.respond("/v1/chat/completions", b"{}")[0] == 404
     assert upstream.respond("/v1/decisions", b"not json")[0] == 400
+
+
+def test_the_mock_upstream_is_also_an_otlp_receiver_that_counts_what_it_gets():
+    from decisiond.bench import upstream
+
+    before = json.loads(upstream.respond("/v1/traces/received", b"")[1])
+    assert upstream.respond("/v1/traces", b"\x0a\x00") == (200, b"")
+    after = json.loads(upstream.respond("/v1/traces/received", b"")[1])
+    assert after == {"exports": before["exports"] + 1, "bytes": before["bytes"] + 2}

@@ -22,6 +22,8 @@ providers:
   - {name: e529, type: openai, base_url: "${UP_529}/v1"}
 virtual_models:
   - {name: sturdy, targets: [e529/x, local/tiny-local]}
+  # never asked: its cascade series exist at 0 all the same (the dashboard plots them)
+  - {name: careful, strategy: cascade, escalate_below: 0.5, targets: [local/tiny-local, sturdy]}
 """
 QUESTIONS = [{"type": "predicate", "name": "billing", "instructions": "Is this about billing?"},
              {"type": "choice", "name": "team", "instructions": "Which team?",

@@ -224,7 +224,8 @@ class ChatUpstream:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
-                upstream.seen.append({"path": self.path, "body": body, "auth": self.headers.get("authorization")})
+                upstream.seen.append({"path": self.path, "body": body, "auth": self.headers.get("authorization"),
+                                      "traceparent": self.headers.get("traceparent")})
                 upstream.answer(self, self.path.rstrip("/").endswith("/responses"), body)
 
         self.server = Listening(("127.0.0.1", 0), Handle)

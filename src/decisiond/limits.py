@@ -136,3 +136,8 @@ DEFAULT_MAX_OUTPUT_TOKENS = 4096
 # ended) is released this long after it was made, by whichever replica reserves on that budget next
 # (config: budget_reservation_ttl_s).
 BUDGET_RESERVATION_TTL_S = 3600
+# GET /metrics: question names (from clients) that get a label value of their own in the decision quality metrics,
+# per model and server process, by default and at most (config: metrics.question_labels; serve
+# --metrics-question-labels); later names are counted as "_other".
+DEFAULT_QUESTION_LABELS = 50
+MAX_QUESTION_LABELS = 1000

@@ -5,6 +5,8 @@ decision; in front of it, each configuration is one ``decisiond serve`` process 
 
 - ``upstream``: the mock alone (the floor);
 - ``keyless``: decisiond without keys;
+- ``keyless-traced``: the same with OpenTelemetry traces on, exported to an OTLP/HTTP receiver of its own (a second
+  mock process, ``bench.upstream``, which counts what it receives): what traces cost, beside ``keyless``;
 - ``keyed-sqlite``: a managed key with a rate limit and a budget, on the embedded SQLite database;
 - ``keyed-postgres-redis``: the same on PostgreSQL, with the rate limits in Redis (where both are installed).
 
@@ -68,11 +70,11 @@ class Bench:
     servers: list[Server] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
-    def upstream(self) -> Server:
+    def upstream(self, name: str = "upstream") -> Server:
         port = services.free_port()
         process = subprocess.Popen([sys.executable, "-m", "decisiond.bench.upstream", str(port)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        server = Server("upstream", f"http://127.0.0.1:{port}/v1/decisions", process=process)
+        server = Server(name, f"http://127.0.0.1:{port}/v1/decisions", process=process)
         _wait(f"http://127.0.0.1:{port}/v1/decisions", post=True)
         return server
 
@@ -111,9 +113,13 @@ def _wait(url: str, post: bool = False, timeout: float = 60) -> None:
     raise RuntimeError(f"{url} did not answer")
 
 
-def config(upstream: str, keyed: bool, database: str | None = None, redis: str | None = None) -> str:
+def config(upstream: str, keyed: bool, database: str | None = None, redis: str | None = None,
+           traces: str | None = None) -> str:
+    """``traces``: the OTLP/HTTP receiver's base URL, to trace every request."""
     lines = [f'providers:\n  - {{name: up, type: openai, base_url: "{upstream.rsplit("/", 1)[0]}", api_key: sk-bench}}',
              f"models:\n  - {{name: luna, provider: up, upstream: gpt-6-luna, pricing: {{per_request: {PRICE}}}}}"]
+    if traces:
+        lines.insert(0, f'otel: {{endpoint: "{traces}"}}')
     if keyed:
         lines.insert(0, f'auth: {{master_key: "{MASTER}"}}')
     if database:
@@ -244,8 +250,12 @@ def run(workers: int = 1, seconds: float = 8, rounds: int = 2, clients: list[int
         bench = Bench(Path(folder), workers, seconds, log)
         upstream = bench.upstream()
         bench.servers.append(upstream)
+        receiver = bench.upstream("otlp-receiver")
+        traces = receiver.url.rsplit("/v1/", 1)[0]
         try:
             bench.servers.append(bench.decisiond("keyless", config(upstream.url, keyed=False), workers))
+            bench.servers.append(bench.decisiond("keyless-traced", config(upstream.url, False, traces=traces),
+                                                 workers))
             sqlite = bench.decisiond("keyed-sqlite", config(upstream.url, keyed=True), workers)
             sqlite.auth = managed_key(sqlite, 1e6)[0]
             bench.servers.append(sqlite)
@@ -258,18 +268,35 @@ def run(workers: int = 1, seconds: float = 8, rounds: int = 2, clients: list[int
                     bench.skipped["keyed-postgres-redis"] = "--no-postgres"
                 results = measure(bench, clients, rounds)
                 for server in bench.servers[1:]:
-                    server.stop()
+                    server.stop()  # a traced server exports its last spans as it stops
+            received = httpx.post(traces + "/v1/traces/received", timeout=10).json()
             sqlite_rate = median(results["keyed-sqlite"][10 if 10 in clients else clients[-1]])["rate"]
             budgets = [budget_check(bench, upstream, sqlite_rate, workers)]
             shared = shared_budget(bench, upstream, 64 if 64 in clients else clients[-1], rounds + 1)
         finally:
-            for server in bench.servers:
+            for server in [*bench.servers, receiver]:
                 server.stop()
     table = {name: {c: median(loads) for c, loads in by_clients.items()} for name, by_clients in results.items()}
     return {"workers": workers, "seconds": seconds, "rounds": rounds, "clients": clients,
             "generator": load.generator(), "table": table, "budgets": budgets, "shared": shared,
             "shared_clients": 64 if 64 in clients else clients[-1], "skipped": bench.skipped,
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "traces_received": received}
+
+
+def traces_line(report: dict[str, Any]) -> list[str]:
+    """What traces cost: ``keyless-traced`` against ``keyless``, latency at the first client count and requests a
+    second at the others, and what the receiver got."""
+    table, clients = report["table"], report["clients"]
+    if "keyless-traced" not in table or "keyless" not in table:
+        return []
+    plain, traced, one = table["keyless"], table["keyless-traced"], clients[0]
+    rates = [f"{c} clients {traced[c]['rate']:,.0f}/s against {plain[c]['rate']:,.0f}/s "
+             f"({(traced[c]['rate'] / max(plain[c]['rate'], 1e-9) - 1) * 100:+.0f} %)" for c in clients[1:]]
+    received = report.get("traces_received") or {}
+    return ["", f"Traces on (keyless-traced against keyless): {traced[one]['p50_ms'] - plain[one]['p50_ms']:+.2f} ms "
+            f"p50 and {traced[one]['p99_ms'] - plain[one]['p99_ms']:+.2f} ms p99 at {one} client"
+            + "".join(f"; {r}" for r in rates)
+            + f"; the receiver got {received.get('exports', 0):,} exports ({received.get('bytes', 0) / 1e6:.1f} MB)."]
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
@@ -293,6 +320,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         lines.append(f"| {name} | {added} | " + " | ".join(cells) + " |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * (len(clients) - 1))
+    lines += traces_line(report)
     seconds = report["budgets"][0]["seconds"]
     lines += ["", f"Budgets: a managed key whose daily budget has room for half of what 10 clients ask in {seconds:g} "
               f"s (${PRICE} a request):", "",

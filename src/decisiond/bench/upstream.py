@@ -6,6 +6,9 @@ It speaks HTTP/1.1 with keep-alive on a raw asyncio protocol (uvloop where insta
 probability 0.7, a choice's or a score's first option 0.6 and the rest shared, and a usage of
 ``INPUT_TOKENS`` input tokens. Anything else is a 404 in OpenAI's error shape. Run it in a process of its own
 (``serve``), so that its work is not the gateway's.
+
+It is also the bench's OTLP/HTTP receiver for traces: ``POST /v1/traces`` is answered 200 and counted, its spans not
+decoded (``POST /v1/traces/received`` answers the counts: exports and bytes).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 INPUT_TOKENS = 50
 MODEL = "gpt-6-luna"
 _NOT_FOUND = json.dumps({"error": {"message": "not found", "type": "invalid_request_error"}}).encode()
+TRACES = "/v1/traces"
+_received = {"exports": 0, "bytes": 0}
 
 
 def answer(question: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +43,12 @@ def answer(question: dict[str, Any]) -> dict[str, Any]:
 
 def respond(path: str, body: bytes) -> tuple[int, bytes]:
     """The status and JSON body for one request."""
+    if path.startswith(TRACES):
+        if path == TRACES + "/received":
+            return 200, json.dumps(_received).encode()
+        _received["exports"] += 1
+        _received["bytes"] += len(body)
+        return 200, b""
     if not path.rstrip("/").endswith("/decisions"):
         return 404, _NOT_FOUND
     try:

@@ -10,7 +10,7 @@ import socket
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_QUESTION_LABELS, MAX_QUESTION_LABELS
 from .common import (
     add_model_args,
     add_quality_args,
@@ -46,6 +46,11 @@ def register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     serve.add_argument("--workers", type=int, default=1, metavar="N",
                        help="server processes on the one port (default 1): a gateway uses N cores; each worker loads "
                             "its own copy of a local model")
+    serve.add_argument("--metrics-question-labels", type=int, default=None, metavar="N",
+                       help="question names that get a label of their own in the decision quality metrics of "
+                            f"/metrics, per model: the first N seen, the others '_other' (default "
+                            f"{DEFAULT_QUESTION_LABELS}, 0 to {MAX_QUESTION_LABELS}; 0: none); overrides the config's "
+                            "metrics.question_labels")
     add_scheduling_args(serve)
     add_quality_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -72,6 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       "DECISIOND_MASTER_KEY, or pass --allow-unauthenticated")
     if args.workers < 1:
         return refuse(f"--workers must be 1 or more, not {args.workers}")
+    labels = args.metrics_question_labels
+    if labels is not None and not 0 <= labels <= MAX_QUESTION_LABELS:
+        return refuse(f"--metrics-question-labels must be from 0 to {MAX_QUESTION_LABELS}, not {labels}")
     if args.workers == 1:
         return _serve_one(args, config)
     # Imported only once the configuration is known to be servable: a refusal above answers at once.
@@ -109,7 +117,7 @@ def _serve_one(args: argparse.Namespace, config: GatewayConfig | None, sock: soc
         return refuse(error)
     settings = Settings(max_body_bytes=args.max_body_bytes, body_read_timeout=args.body_read_timeout, host=args.host)
     try:
-        gateway = Gateway(router, config, worker)
+        gateway = Gateway(router, _gateway_config(config, args.metrics_question_labels), worker)
     except ConfigError as error:
         return refuse(error)
     app = create_app(router, settings, gateway)
@@ -117,6 +125,16 @@ def _serve_one(args: argparse.Namespace, config: GatewayConfig | None, sock: soc
                                            timeout_keep_alive=60))
     with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
         return runner.run(_serve(server, gateway, args, sock))
+
+
+def _gateway_config(config: GatewayConfig | None, question_labels: int | None) -> GatewayConfig | None:
+    """The gateway's config: the file's (None without one), with ``--metrics-question-labels`` over its
+    ``metrics.question_labels``."""
+    if question_labels is None:
+        return config
+    from ..gateway.settings import GatewayConfig, MetricsConfig
+
+    return (config or GatewayConfig()).model_copy(update={"metrics": MetricsConfig(question_labels=question_labels)})
 
 
 async def _serve(server: Any, gateway: Gateway, args: argparse.Namespace, sock: socket.socket | None = None) -> int:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import probability
+from .. import probability, tracing
 from ..canonical import DecisionRequest, DecisionResult, Question, ScoreRequest, ScoreResult, Usage
 from ..errors import invalid, refused
 from ..limits import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS
@@ -228,6 +228,7 @@ class LocalEngine:
         """Prepare and submit off the event loop, then wait for the scheduler without blocking the loop."""
         prepared, job, pending = await _off_loop(self._prepare_and_submit, request)
         scored = await asyncio.wrap_future(job.future)
+        _traced(job)
         return self._result(request, prepared, self._evidence(prepared, pending, scored.logprobs), job, scored)
 
     # -------------------------------------------------------------------------------- raw scoring
@@ -273,7 +274,23 @@ class LocalEngine:
 
     async def score_async(self, request: ScoreRequest) -> ScoreResult:
         prompts, job = await _off_loop(self._score_submit, request)
-        return self._score_result(request, prompts, (await asyncio.wrap_future(job.future)).logprobs)
+        scored = await asyncio.wrap_future(job.future)
+        _traced(job)
+        return self._score_result(request, prompts, scored.logprobs)
+
+
+def _traced(ticket: Ticket) -> None:
+    """When this request is traced: its wait for the model's worker (``engine queue``) and the run of forward
+    passes that answered it (``engine forward``, with the run's size), two spans timed on the worker."""
+    tracer = tracing.recording()
+    run = ticket.job.run
+    if tracer is None or run is None or run.finished is None:
+        return
+    began = max(ticket.submitted, run.started)
+    tracer.past("engine queue", ticket.submitted, began, {tracing.ENGINE_JOINED: ticket.joined})
+    tracer.past("engine forward", began, run.finished, {
+        tracing.ENGINE_PASSES: run.passes, tracing.ENGINE_RUN_REQUESTS: len(run.jobs),
+        tracing.ENGINE_RUN_TOKENS: run.size, tracing.ENGINE_TOKENS: ticket.job.size})
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:

@@ -85,6 +85,7 @@ class Job:
     key: tuple[Any, ...]
     waiters: list[Future[Scored]] = field(default_factory=list)
     left_at: float | None = None  # when its last caller cancelled (None while someone waits)
+    run: Run | None = None  # the run computing it, once started
 
     @property
     def future(self) -> Future[Scored]:
@@ -99,6 +100,7 @@ class Ticket:
     job: Job
     future: Future[Scored]
     joined: bool = False  # another caller's identical request was already queued or computing
+    submitted: float = field(default_factory=time.monotonic)  # for its traces: its wait is run.started - submitted
 
     @property
     def group(self) -> Group:
@@ -130,6 +132,10 @@ class Run:
     size: int
     done: int = 0
     last: float = field(default_factory=time.monotonic)
+    # When it started and ended (``time.monotonic()``, on the worker) and its forward passes: read by traces.
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    passes: int = 0
 
 
 @dataclass
@@ -356,11 +362,15 @@ class Scheduler:
                     job = self._waiting.popleft()
                     batch.append(job)
                     size += job.size
-            self._running.append(Run(batch, stepwise(self.backend, [j.group for j in batch]), size))
+            run = Run(batch, stepwise(self.backend, [j.group for j in batch]), size)
+            for job in batch:
+                job.run = run
+            self._running.append(run)
 
     def _step(self, run: Run) -> None:
         """One pass of ``run``; its last pass ends the steps with the answers (``base.Steps``), delivered at once."""
         started = time.monotonic()
+        run.passes += 1  # a step is one forward pass (the last one returns the answers)
         try:
             tokens = next(run.steps)
         except StopIteration as finished:
@@ -383,6 +393,7 @@ class Scheduler:
             self.rate = 0.8 * self.rate + 0.2 * tokens / elapsed
 
     def _finish(self, run: Run, outcome: list[Scored] | BaseException) -> None:
+        run.finished = time.monotonic()
         with self._lock:
             self._running.remove(run)
             if not self._large(run.size):

@@ -42,12 +42,15 @@ Ask = Callable[[DecisionRequest, str, Gate], Awaitable[DecisionResult]]
 @dataclass
 class Step:
     """One call of a cascade: the step's model name, the targets it tried (failed attempts included: the last one
-    answered), how many questions it was asked, and its answer (None when the call failed)."""
+    answered), how many questions it was asked, its answer (None when the call failed), its place in the cascade's
+    targets (1 for the first) and how many of its answers were below its threshold, to go on to a later step."""
 
     name: str
     tried: list[Target]
     questions: int
     result: DecisionResult | None = None
+    position: int = 1
+    escalated: int = 0
 
     @property
     def answered_by(self) -> Target | None:
@@ -113,22 +116,23 @@ async def run(request: DecisionRequest, steps: Sequence[str], thresholds: Sequen
             log.warning("skipping cascade step", extra={"step": name, "questions": len(pending),
                                                         "reason": "no target of the step can serve the request"})
             continue
-        step = Step(name, [], len(pending))
+        step = Step(name, [], len(pending), position=i + 1)
 
         def step_gate(target: Target, tried: list[Target] = step.tried) -> AsyncContextManager[Any]:
             tried.append(target)
             return gate(target)
 
+        going_on: list[int] = []
         try:
             result = step.result = await ask(asked, name, step_gate)
+            going_on = [] if last else unsure(result.answers, thresholds[i])
+            step.escalated = len(going_on)
         finally:
             report(step)  # a failed call too: it has its usage row
         results.append(result)
         for k, answer in zip(pending, result.answers):
             answers[k] = answer
-        if last:
-            break
-        pending = [pending[j] for j in unsure(result.answers, thresholds[i])]
+        pending = [pending[j] for j in going_on]
         if not pending:
             break
     return merged(answers, results)

@@ -6,19 +6,24 @@ names themselves, and the policy each carries, are ``gateway.catalog``'s). The r
   provider's own limits — is skipped without spending an attempt;
 - a target that is unavailable (429, 5xx, 529, a timeout or a dropped connection) hands over to the next one;
 - any other upstream error (a validation 4xx) ends the chain with the provider's status and message.
+
+With a tracer (``decisiond.tracing``), each attempt is a span (target, provider, outcome, tokens) and each step of a
+cascade a span around its attempts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
 from collections.abc import Mapping
 from typing import Any, AsyncContextManager, Callable, Coroutine
 
-from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
+from .. import tracing
+from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
 from ..errors import DecisionError, InvalidRequest, NotFound, ProviderError, provider_error
 from . import cascade
 from .cascade import Gate, Step
@@ -50,12 +55,16 @@ def _unbilled(target: "Target", result: DecisionResult, error: ProviderError) ->
 
 
 class Observer:
-    """Told about each attempt on a target (``decisiond.metrics.Metrics`` counts them); does nothing itself."""
+    """Told about each attempt on a target and each call of a cascade (``server.metrics.Metrics`` counts them); does
+    nothing itself."""
 
     def attempt(self, target: "Target") -> float:
         return 0.0
 
     def attempt_done(self, target: "Target", started: float, error: ProviderError | None = None) -> None:
+        return None
+
+    def cascade_step(self, cascade: str, step: Step) -> None:
         return None
 
 
@@ -67,6 +76,8 @@ class Router:
         self.catalog = catalog
         self.deadline = deadline
         self.observer = Observer()
+        # Spans of attempts and cascade steps, when the gateway traces (``Gateway`` sets it).
+        self.tracer: tracing.Tracer | None = None
 
     @classmethod
     def local_only(cls, engine: Any) -> "Router":
@@ -112,22 +123,25 @@ class Router:
                 virtual.attempt_timeout if virtual is not None and virtual.attempt_timeout is not None
                 else target.provider.config.timeout))
             started = self.observer.attempt(target)
-            try:
-                async with gate(target) as admission:
-                    result = await _within(target.provider.decide(request, target.upstream), timeout, target)
-                    if admission is not None:
-                        await admission.settle(result.usage.input_tokens)
-                result.provider_format = target.provider.format
-                _checked(request, result, target, billed)
-                self.observer.attempt_done(target, started)
-            except ProviderError as error:
-                self.observer.attempt_done(target, started, error)
-                log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
-                                                     "failover": error.failover, "reason": error.message})
-                if not error.failover:
-                    raise
-                failure = error
-                continue
+            with self._attempt(target, len(request.questions)) as span:
+                try:
+                    async with gate(target) as admission:
+                        result = await _within(target.provider.decide(request, target.upstream), timeout, target)
+                        if admission is not None:
+                            await admission.settle(result.usage.input_tokens)
+                    result.provider_format = target.provider.format
+                    _checked(request, result, target, billed)
+                    self.observer.attempt_done(target, started)
+                except ProviderError as error:
+                    self.observer.attempt_done(target, started, error)
+                    _attempt_failed(span, error)
+                    log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
+                                                         "failover": error.failover, "reason": error.message})
+                    if not error.failover:
+                        raise
+                    failure = error
+                    continue
+                _attempt_answered(span, result.usage)
             return result
         if failure is not None:
             raise failure
@@ -137,11 +151,20 @@ class Router:
 
     async def _cascade(self, request: DecisionRequest, virtual: VirtualModelConfig, gate: Gate,
                        report: Callable[[Step], None], ends: float, billed: Billed) -> DecisionResult:
+        numbers = itertools.count(1)
+
         async def ask(asked: DecisionRequest, step: str, step_gate: Gate) -> DecisionResult:
-            return await self.decide(asked, self.catalog.canonical(step) or step, step_gate, ends=ends, billed=billed)
+            with self._step(step, next(numbers), len(asked.questions)):
+                return await self.decide(asked, self.catalog.canonical(step) or step, step_gate, ends=ends,
+                                         billed=billed)
+
+        def reported(step: Step) -> None:
+            report(step)
+            self.observer.cascade_step(virtual.name, step)
 
         return await cascade.run(request, virtual.targets, virtual.thresholds, ask,
-                                 lambda asked, step: self.catalog.first_target(asked, step) is not None, gate, report)
+                                 lambda asked, step: self.catalog.first_target(asked, step) is not None, gate,
+                                 reported)
 
     def resolve_chat(self, name: str) -> str:
         """The canonical model for chat traffic (no default, no lenient fallback): 404 for a name that names nothing
@@ -176,21 +199,24 @@ class Router:
             if not target.serves_chat:
                 continue
             started = self.observer.attempt(target)
-            try:
-                async with gate(target) as admission:
-                    result = await attempt(request, target, deadline)
-                    if admission is not None:
-                        await admission.settle(result.usage.input_tokens)
-            except ProviderError as error:
-                self.observer.attempt_done(target, started, error)
-                log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
-                                                     "failover": error.failover, "reason": error.message})
-                if request.relay.started.is_set() or not error.failover:
-                    raise
-                failure = error
-                continue
-            self.observer.attempt_done(target, started, result.failure if isinstance(result.failure, ProviderError)
-                                       else None)
+            with self._attempt(target, None) as span:
+                try:
+                    async with gate(target) as admission:
+                        result = await attempt(request, target, deadline)
+                        if admission is not None:
+                            await admission.settle(result.usage.input_tokens)
+                except ProviderError as error:
+                    self.observer.attempt_done(target, started, error)
+                    _attempt_failed(span, error)
+                    log.warning("upstream error", extra={"model": name, "target": target.name, "status": error.status,
+                                                         "failover": error.failover, "reason": error.message})
+                    if request.relay.started.is_set() or not error.failover:
+                        raise
+                    failure = error
+                    continue
+                self.observer.attempt_done(target, started, result.failure
+                                           if isinstance(result.failure, ProviderError) else None)
+                _attempt_answered(span, result.usage)
             return result
         if failure is not None:
             raise failure
@@ -210,15 +236,49 @@ class Router:
 
     async def score(self, request: ScoreRequest, name: str | None = None, gate: Gate = _open_gate) -> ScoreResult:
         target = self.score_target(name if name is not None else request.model)
-        async with gate(target) as admission:
-            result = await target.provider.score(request)
-            if admission is not None:
-                await admission.settle(result.prompt_tokens)
+        with self._attempt(target, None) as span:
+            async with gate(target) as admission:
+                result = await target.provider.score(request)
+                if admission is not None:
+                    await admission.settle(result.prompt_tokens)
+            _attempt_answered(span, Usage(input_tokens=result.prompt_tokens))
         return result
+
+    def _attempt(self, target: Target, questions: int | None) -> tracing.Block:
+        """An attempt's span (the current one while the provider answers: its upstream request carries it), or a
+        block that does nothing when the gateway does not trace."""
+        if self.tracer is None:
+            return tracing.OFF
+        attributes: dict[str, Any] = {
+            tracing.KIND: "LLM", tracing.TARGET: target.name, tracing.MODEL: target.upstream,
+            tracing.PROVIDER: target.provider.config.type, tracing.PROVIDER_NAME: target.provider.name}
+        if questions is not None:
+            attributes[tracing.QUESTIONS] = questions
+        return self.tracer.current(f"attempt {target.name}", attributes)
+
+    def _step(self, name: str, number: int, questions: int) -> tracing.Block:
+        """A cascade step's span, around the attempts of its one call."""
+        if self.tracer is None:
+            return tracing.OFF
+        return self.tracer.current(f"cascade step {number}", {
+            tracing.KIND: "CHAIN", tracing.CASCADE_STEP: number, tracing.MODEL: name, tracing.QUESTIONS: questions})
 
     async def aclose(self) -> None:
         for provider in self.catalog.providers.values():
             await provider.aclose()
+
+
+def _attempt_failed(span: tracing.Span | None, error: ProviderError) -> None:
+    if span is not None:
+        tracing.outcome(span, f"{'failover' if error.failover else 'error'}: {error.code}", error.code)
+        span.set_attribute(tracing.UPSTREAM_STATUS, error.status)
+
+
+def _attempt_answered(span: tracing.Span | None, usage: Usage) -> None:
+    if span is not None:
+        tracing.outcome(span, "ok")
+        span.set_attributes({tracing.PROMPT_TOKENS: usage.input_tokens, tracing.COMPLETION_TOKENS: usage.output_tokens,
+                             tracing.TOTAL_TOKENS: usage.total_tokens})
 
 
 def _checked(request: DecisionRequest, result: DecisionResult, target: Target, billed: Billed) -> None:

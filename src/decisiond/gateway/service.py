@@ -1,5 +1,5 @@
 """The gateway as the server sees it: the router, the caller's authentication, the rate limiter, the database,
-and the pipeline of stages in their one fixed order."""
+the pipeline of stages in their one fixed order, and the process's traces (``decisiond.tracing``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from .. import tracing
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
 from ..dialects import openai as openai_dialect
 from ..errors import DecisionError, ProviderError, ServerError, one_line
@@ -94,6 +95,11 @@ class Gateway:
         self.usage: UsageWriter | None = None
         self._started = self._closed = False
         self.cache = ResponseCache(config.cache)
+        otel = config.otel
+        self.tracing = tracing.start(otel.endpoint, otel.service_name, otel.sample_ratio, otel.headers,
+                                     otel.schedule_delay_ms)
+        self.tracer = self.tracing.tracer if self.tracing is not None else None
+        router.tracer = self.tracer
         # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
         catalog, when_down = router.catalog, config.budgets_when_database_down
@@ -102,10 +108,10 @@ class Gateway:
             RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog, when_down),
             GuardrailStage(self.guardrails, catalog),
         ]
-        self.pipeline = Pipeline(stages, self._route)
+        self.pipeline = Pipeline(stages, self._route, self.tracer)
         # A decision_judge guardrail's calls: its own user path's rate limits and budgets, then the router.
         self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog,
-                                                                                  when_down)], self._route)
+                                                                                  when_down)], self._route, self.tracer)
 
     @staticmethod
     def keys_configured(config: GatewayConfig) -> bool:
@@ -155,6 +161,8 @@ class Gateway:
         await self.cache.aclose()
         if self.db is not None:
             await self.db.aclose()
+        if self.tracing is not None:  # the spans still queued are exported before the process ends
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _judge(self, guardrail: GuardrailConfig, text: str, request_id: str) -> float:
         """P(yes) of a guardrail's policy question about ``text``, from the decision model it names. The call runs
@@ -168,19 +176,23 @@ class Gateway:
         status: int = 500
         code: str | None = "judge_failed"
         result: Any = None
-        try:
-            result = await self.judge_pipeline.run(context, request)
-            status, code = 200, None
-        except DecisionError as error:  # recorded, then raised on to the guardrail's fail_mode
-            status, code = error.status, error.code
-            raise
-        except asyncio.CancelledError:  # the guardrail's timeout_ms ran out
-            status, code = 504, "guardrail_timeout"
-            raise
-        finally:
-            self.record("guardrail", context, status, code, result, None, None, guardrail=guardrail.name)
-        if not isinstance(result, DecisionResult) or result.answers[0].refusal:
-            raise ProviderError(f"the judge model {guardrail.model!r} did not answer", code="judge_refused")
+        with tracing.span(self.tracer, f"judge {guardrail.name}", {
+                tracing.KIND: "GUARDRAIL", tracing.GUARDRAIL: guardrail.name}) as span:
+            try:
+                result = await self.judge_pipeline.run(context, request)
+                status, code = 200, None
+            except DecisionError as error:  # recorded, then raised on to the guardrail's fail_mode
+                status, code = error.status, error.code
+                raise
+            except asyncio.CancelledError:  # the guardrail's timeout_ms ran out
+                status, code = 504, "guardrail_timeout"
+                raise
+            finally:
+                self.record("guardrail", context, status, code, result, None, None, guardrail=guardrail.name)
+            if not isinstance(result, DecisionResult) or result.answers[0].refusal:
+                raise ProviderError(f"the judge model {guardrail.model!r} did not answer", code="judge_refused")
+            if span is not None:
+                span.set_attribute(tracing.GUARDRAIL_SCORE, result.answers[0].probabilities[0])
         return result.answers[0].probabilities[0]
 
     async def _route(self, context: Context, request: Any) -> Any:
@@ -366,7 +378,8 @@ def _cascaded(context: Context, steps: list[Step], questions: int, failed: list[
     context.answered_by = next((c.answered_by for c in reversed(context.calls) if c.answered_by and c.status is None),
                                None)
     if steps:
-        context.response_headers[ESCALATED_HEADER] = f"{escalated(steps)} of {questions}"
+        context.escalated = escalated(steps)
+        context.response_headers[ESCALATED_HEADER] = f"{context.escalated} of {questions}"
 
 
 def _name(target: Target | None) -> tuple[str, str] | None:

@@ -25,6 +25,8 @@ from ..limits import (
     CACHE_TTL_S,
     CONCURRENCY_SLOT_TTL_S,
     DEFAULT_MAX_OUTPUT_TOKENS,
+    DEFAULT_QUESTION_LABELS,
+    MAX_QUESTION_LABELS,
 )
 from .pricing import Pricing
 from .virtual import VirtualModelConfig, check_chains
@@ -385,6 +387,50 @@ class AuditConfig(BaseModel):
     """Usage and audit rows older than this are purged (hourly); None keeps them."""
 
 
+class OtelConfig(BaseModel):
+    """OpenTelemetry traces (``decisiond.tracing``), exported by OTLP over HTTP (protobuf): on when ``endpoint`` is
+    set here or the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is;
+    ``OTEL_SDK_DISABLED=true`` turns them off."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    endpoint: str | None = None
+    """The OTLP/HTTP receiver (a collector): a base URL such as ``http://collector:4318`` (spans go to its
+    ``/v1/traces``) or the whole traces URL; unset: ``OTEL_EXPORTER_OTLP_ENDPOINT``.
+    """
+    service_name: str | None = None
+    """The spans' ``service.name``; unset: ``OTEL_SERVICE_NAME``, else ``decisiond``."""
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    """The share of requests traced, chosen by trace id; a caller's ``traceparent`` that says whether it is sampled
+    decides for its request.
+    """
+    headers: dict[str, str] = Field(default_factory=dict, repr=False)
+    """Headers sent with every export (a hosted collector's key, best given as ``${ENV}``); unset:
+    ``OTEL_EXPORTER_OTLP_HEADERS``.
+    """
+    schedule_delay_ms: int | None = Field(default=None, ge=1)
+    """The longest an ended span waits before its batch is exported; unset: ``OTEL_BSP_SCHEDULE_DELAY``, else 5000."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP over HTTP)")
+        return value
+
+
+class MetricsConfig(BaseModel):
+    """What ``GET /metrics`` labels the decision quality metrics by (``server.decision_metrics``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    question_labels: int = Field(default=DEFAULT_QUESTION_LABELS, ge=0, le=MAX_QUESTION_LABELS)
+    """Question names (they come from clients) that get a label value of their own, per model: the first this many
+    distinct names a server process sees; every later one is counted as ``_other``. 0: every question is ``_other``
+    (per-model series only).
+    """
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -422,6 +468,10 @@ class GatewayConfig(BaseModel):
     """Seconds after which a budget reservation that was never settled (its replica crashed) is released."""
     audit: AuditConfig = Field(default_factory=AuditConfig)
     """What each usage row keeps, and for how long."""
+    otel: OtelConfig = Field(default_factory=OtelConfig)
+    """OpenTelemetry traces: where they are exported, under which service name, which share of requests."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """How the decision quality metrics of ``GET /metrics`` are labelled: how many question names get their own."""
     default_model: str | None = None
     """The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any name);
     defaults to the first local provider's model.

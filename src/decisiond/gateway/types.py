@@ -99,6 +99,8 @@ class Context:
     cache_hit: bool = False
     # A cascade's calls, one usage row each (empty for a request answered in one call).
     calls: list[Call] = field(default_factory=list)
+    # How many of a cascade's questions went on past its first call (None: not a cascade).
+    escalated: int | None = None
     # When the client stops waiting (``time.monotonic()``; ``x-decisiond-timeout-ms``), for stages that enforce it.
     deadline: float | None = None
     # The HTTP request's headers (case-insensitive where the server passes Starlette's), e.g. Cache-Control.

@@ -55,10 +55,10 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.state.metrics = metrics = Metrics(router, gateway)
     app.add_middleware(AccessGuard)  # innermost of the three: its refusals are counted and logged
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
-    app.add_middleware(RequestContext)
+    app.add_middleware(RequestContext, tracer=gateway.tracer)
     _add_decision_routes(app)
-    app.direct = {route.path: RequestContext(MetricsMiddleware(AccessGuard(decision_asgi(route)), metrics=metrics))
-                  for route in ROUTES}
+    app.direct = {route.path: RequestContext(MetricsMiddleware(AccessGuard(decision_asgi(route)), metrics=metrics),
+                                             gateway.tracer) for route in ROUTES}
     app.include_router(pages.router)
     app.include_router(admin.router)
     app.include_router(chat.router)

@@ -7,7 +7,9 @@
   ``observer``;
 - the usage writer's rows written, dead letters and lost records: read at scrape time;
 - each local engine's queue depth, batches (forward passes), jobs, rows, and tokens requested vs computed (the
-  prefix-sharing ratio) and padded: read from the scheduler at scrape time, so the engine carries no hook.
+  prefix-sharing ratio) and padded: read from the scheduler at scrape time, so the engine carries no hook;
+- the decisions' quality (confidence, label mass, refusals by model and question; cascade escalations):
+  ``decision_metrics``, the gateway pipeline's observer.
 
 Grafana: ``docs/grafana-dashboard.json``.
 """
@@ -25,9 +27,12 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import ProviderError
+from ..gateway.cascade import Step
 from ..gateway.catalog import Target
 from ..gateway.router import Observer, Router
 from ..gateway.service import Gateway
+from ..limits import DEFAULT_QUESTION_LABELS
+from .decision_metrics import DecisionMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a tiny model answers in milliseconds, a CPU batch or an upstream in seconds.
@@ -151,8 +156,9 @@ class Metrics(Observer):
                                  registry=r)
         self.input_tokens = Counter("decisiond_input_tokens", "Input tokens billed to callers", ["model"],
                                     registry=r)
-        self.refusals = Counter("decisiond_refusals", "Requests refused, by error code (rate limits included)",
-                                ["route", "code", "status"], registry=r)
+        self.refusals = Counter("decisiond_refusals",
+                                "Requests refused, by error code (rate limits included) and model (once resolved)",
+                                ["route", "model", "code", "status"], registry=r)
         self.attempts = Counter("decisiond_upstream_attempts", "Attempts on a target", ["provider", "model"],
                                 registry=r)
         self.failovers = Counter("decisiond_upstream_failovers",
@@ -176,6 +182,10 @@ class Metrics(Observer):
         elif gateway is not None:
             r.register(UsageCollector(gateway))
         router.observer = self
+        question_labels = gateway.config.metrics.question_labels if gateway is not None else DEFAULT_QUESTION_LABELS
+        self.decisions = DecisionMetrics(r, router.catalog, question_labels)
+        if gateway is not None:
+            gateway.pipeline.observer = self.decisions
 
     # ---- the router's observer
 
@@ -190,6 +200,9 @@ class Metrics(Observer):
             if error.failover:
                 self.failovers.labels(target.provider.name).inc()
 
+    def cascade_step(self, cascade: str, step: Step) -> None:
+        self.decisions.cascade_step(cascade, step)
+
     # ---- requests
 
     def observe(self, path: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
@@ -203,7 +216,7 @@ class Metrics(Observer):
         if isinstance(fields.get("input_tokens"), int) and fields["input_tokens"] > 0:
             self.input_tokens.labels(model).inc(fields["input_tokens"])
         if status >= 400 and fields.get("error_code"):
-            self.refusals.labels(route, str(fields["error_code"]), str(status)).inc()
+            self.refusals.labels(route, model, str(fields["error_code"]), str(status)).inc()
         if self.shared:
             self._publish_usage()
 

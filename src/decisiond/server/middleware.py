@@ -1,5 +1,5 @@
-"""The request middleware (pure ASGI): a request id on every response, one JSON access line per request, and a
-last-resort 500 that never carries a traceback."""
+"""The request middleware (pure ASGI): a request id on every response, one JSON access line per request, a
+last-resort 500 that never carries a traceback, and — when the gateway traces — the request's span."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import tracing
 from ..dialects import detect
 from ..errors import ServerError
+from .metrics import route_label
 
 log = logging.getLogger("decisiond.server")
 access = logging.getLogger("decisiond.access")
@@ -27,10 +29,13 @@ def new_request_id() -> str:
 
 class RequestContext:
     """Pure-ASGI middleware: a request id on every response (``x-request-id``, ``x-typesafe-request-id``), one JSON
-    access line per request, and a last-resort 500 that never carries a traceback."""
+    access line per request, and a last-resort 500 that never carries a traceback. With a ``tracer``, the request is
+    a span (OTel's HTTP server conventions), the child of the caller's ``traceparent`` and the parent of everything
+    the request does; its trace id goes on the access line."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, tracer: tracing.Tracer | None = None):
         self.app = app
+        self.tracer = tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -42,6 +47,15 @@ class RequestContext:
         state["request_id"], state["log"] = request_id, fields
         start = time.perf_counter()
         started = False
+        status = 0
+        span: tracing.Span | None = None
+        if self.tracer is not None:
+            span = self.tracer.start(scope["method"], {
+                "http.request.method": scope["method"], "url.path": scope["path"],
+                "url.scheme": scope.get("scheme", "http"), "network.protocol.version": scope.get("http_version", ""),
+                tracing.REQUEST_ID: request_id}, tracing.SERVER, tracing.extract(scope["headers"]))
+            token = tracing.attach(span)
+            fields["trace_id"] = tracing.trace_id(span)
 
         def log_access(status: int) -> None:
             access.info("%s %s %d", scope["method"], scope["path"], status, extra={
@@ -49,9 +63,10 @@ class RequestContext:
                 "duration_ms": round((time.perf_counter() - start) * 1000, 2), **fields})
 
         async def send_with_id(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
                 started = True
+                status = message["status"]
                 headers = MutableHeaders(scope=message)
                 headers["x-request-id"] = request_id
                 headers["x-typesafe-request-id"] = request_id
@@ -66,3 +81,23 @@ class RequestContext:
             if not started:
                 _, body = detect.render_error(INTERNAL_ERROR)
                 await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
+        finally:
+            if span is not None:
+                tracing.detach(token)
+                _ended(span, scope, status)
+
+
+def _ended(span: tracing.Span, scope: Scope, status: int) -> None:
+    """The request's span ends, named by its route (``POST /v1/decisions``, ``DELETE /admin/keys/{key_id}``; the
+    method alone for a path no route serves), with its status: failed at 500 and over, or with no answer."""
+    route = getattr(scope.get("route"), "path_format", None)
+    if not isinstance(route, str):
+        route = scope["path"] if route_label(scope["path"]) == scope["path"] else None
+    if route is not None:
+        span.update_name(f"{scope['method']} {route}")
+        span.set_attribute("http.route", route)
+    if status:
+        span.set_attribute("http.response.status_code", status)
+    if status >= 500 or not status:
+        tracing.error(span, str(status) if status else "incomplete")
+    span.end()

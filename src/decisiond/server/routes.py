@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from .. import tracing
 from ..canonical import DecisionResult, ScoreResult
 from ..dialects import detect
 from ..dialects import openai as openai_dialect
@@ -113,9 +114,11 @@ def error_response(rendered: tuple[int, dict[str, Any]], *header_sets: dict[str,
 
 
 async def authenticate(request: Request) -> Caller:
-    """The caller, from the request's headers; its key and user path go on the access line."""
+    """The caller, from the request's headers (in an ``auth`` span when the gateway traces); its key and user path go
+    on the access line."""
     gateway: Gateway = request.app.state.gateway
-    caller = await gateway.auth.authenticate(request.headers)
+    with tracing.span(gateway.tracer, "auth"):
+        caller = await gateway.auth.authenticate(request.headers)
     fields = request.state.log
     if caller.key_id is not None:
         fields["key_id"] = caller.key_id
@@ -157,7 +160,8 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
         gateway.record(route.request_type, context, ClientGone.status, ClientGone.code, None, document, None)
         return JSONResponse(None, status_code=ClientGone.status)
     except DecisionError as error:
-        fields.update(error_code=error.code, outcomes=context.outcomes or None)
+        fields.update(error_code=error.code, outcomes=context.outcomes or None,
+                      resolved_model=context.resolved_model)  # a refusal's model, once the pipeline knew it
         status, rendered = dialect.render_error(error, document)
         gateway.record(route.request_type, context, status, error.code, None, document, rendered)
         return error_response((status, rendered), context.response_headers, error.headers)

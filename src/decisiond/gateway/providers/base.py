@@ -12,6 +12,7 @@ import aiohttp
 import httpx
 import orjson
 
+from ... import tracing
 from ...canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult
 from ...errors import DecisionError, InvalidRequest, provider_error, retry_headers
 from ..settings import Limits, ProviderConfig
@@ -215,6 +216,13 @@ class HttpProvider(Provider):
         """What this provider sends that must never be echoed: its key and its configured header values."""
         return tuple(v for v in (self.config.api_key, *self.config.headers.values()) if v)
 
+    def headers(self, own: dict[str, str]) -> dict[str, str]:
+        """An upstream request's headers: the configured ones, the request's ``own`` (its key) and, when the gateway
+        traces, the current attempt's ``traceparent``."""
+        headers = {**self.config.headers, **own}
+        tracing.inject(headers)
+        return headers
+
     def session(self) -> aiohttp.ClientSession:
         """The aiohttp session of the running event loop (made on first use: a session belongs to one loop)."""
         session, loop = self._session, asyncio.get_running_loop()
@@ -237,8 +245,7 @@ class HttpProvider(Provider):
             for field, (filename, content, content_type) in files:
                 data.add_field(field, content, filename=filename, content_type=content_type)
         try:
-            async with self.session().post(url, headers={**self.config.headers, **headers}, json=json,
-                                           data=data) as response:
+            async with self.session().post(url, headers=self.headers(headers), json=json, data=data) as response:
                 status, raw = response.status, await response.read()
                 kept = retry_headers(response.headers) if status >= 400 else {}
         except asyncio.TimeoutError as e:

@@ -31,7 +31,7 @@ class OpenAIProvider(HttpProvider):
         the wait for the first byte and between chunks is the caller's (``gateway.forward``). The caller closes it."""
         chat = self.config.chat
         request = self.client.build_request(
-            "POST", self.url(upstream, route), headers={**self.config.headers, **self.auth()}, json=body,
+            "POST", self.url(upstream, route), headers=self.headers(self.auth()), json=body,
             timeout=httpx.Timeout(None, connect=chat.connect_timeout_s, pool=chat.connect_timeout_s))
         try:
             return await self.client.send(request, stream=True)
