@@ -1,5 +1,5 @@
 """OpenTelemetry traces (``decisiond.tracing``) from real decisiond servers to a real OTLP/HTTP receiver started
-here: an ``http.server`` on loopback that accepts ``POST /v1/traces`` and decodes each protobuf body with the OTLP
+here: a simulated upstream on loopback that accepts ``POST /v1/traces`` and decodes each protobuf body with the OTLP
 protocol's own ``ExportTraceServiceRequest``. Simulated upstreams (``upstreams``) record the headers they get.
 
 Covered: a decision's span tree (request → auth, pipeline → stages → attempt) and its attributes; only the refusing
@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import httpx
@@ -85,42 +84,24 @@ def _value(any_value: Any) -> Any:
 
 
 class Receiver:
-    """An OTLP/HTTP receiver on loopback: every span of every export, decoded."""
+    """An OTLP/HTTP receiver on loopback (a simulated upstream, ``upstreams.Upstream``): every span of every export,
+    decoded."""
 
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
         self.exports = 0
         self.lock = threading.Lock()
-        receiver = self
-
-        class Handle(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.path != "/v1/traces" or self.headers.get("content-type") != "application/x-protobuf":
-                    self.send_response(404)
-                    self.send_header("content-length", "0")
-                    self.end_headers()
-                    return
-                receiver.add(ExportTraceServiceRequest.FromString(body))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handle)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.upstream = upstreams.Upstream(self.handle).start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self.upstream.url
+
+    def handle(self, seen: upstreams.Seen) -> tuple[int, dict[str, str], bytes]:
+        if seen.path != "/v1/traces" or seen.headers.get("content-type") != "application/x-protobuf":
+            return 404, {}, b""
+        self.add(ExportTraceServiceRequest.FromString(seen.body))
+        return 200, {"content-type": "application/x-protobuf"}, ExportTraceServiceResponse().SerializeToString()
 
     def add(self, request: ExportTraceServiceRequest) -> None:
         found = []
@@ -162,8 +143,7 @@ class Receiver:
         return by_name
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.upstream.stop()
 
 
 def one(by_name: dict[str, list[ReceivedSpan]], name: str) -> ReceivedSpan:

@@ -75,7 +75,8 @@ class Upstream:
                 status, headers, body = answer
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                if "content-type" not in {k.lower() for k in headers}:  # JSON unless the handler says otherwise
+                    self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
                 for k, v in headers.items():
                     self.send_header(k, v)
