@@ -41,8 +41,8 @@ class Calls:
         self.made: dict[tuple[str, int, tuple[int, ...]], tuple[DecisionResult, list[Target]]] = {}
 
     def ask(self, item: int) -> cascade.Ask:
-        async def ask(request: DecisionRequest, step: str, gate: cascade.Gate) -> DecisionResult:
-            key = (step, item, tuple(id(q) for q in request.questions))
+        async def ask(request: DecisionRequest, step: cascade.Step, gate: cascade.Gate) -> DecisionResult:
+            key = (step.name, item, tuple(id(q) for q in request.questions))
             if key not in self.made:
                 tried: list[Target] = []
 
@@ -50,7 +50,7 @@ class Calls:
                     tried.append(target)
                     return contextlib.nullcontext()
 
-                result = await self.router.decide(request, self.router.catalog.canonical(step) or step, note)
+                result = await self.router.decide(request, self.router.catalog.canonical(step.name) or step.name, note)
                 self.made[key] = (result, tried)
             result, tried = self.made[key]
             for target in tried:  # the cascade's step learns who answered, as on a live call

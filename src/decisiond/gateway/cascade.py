@@ -35,8 +35,6 @@ ESCALATED_HEADER = "x-decisiond-escalated"
 # raises a failover-able ProviderError when the target is at its limit, and yields something with
 # ``settle(input_tokens)`` or None. The router's gates are of this type too.
 Gate = Callable[[Target], AsyncContextManager[Any]]
-# Answer a (partial) request from one step's name, through the given gate.
-Ask = Callable[[DecisionRequest, str, Gate], Awaitable[DecisionResult]]
 
 
 @dataclass
@@ -63,6 +61,10 @@ class Step:
         if target is None or self.result is None:
             return 0.0
         return pricing.cost(target.price, self.result.usage, self.result.provider_format)
+
+
+# Answer a (partial) request at one step (its model name and its place in the cascade), through the given gate.
+Ask = Callable[[DecisionRequest, Step, Gate], Awaitable[DecisionResult]]
 
 
 def confidence(answer: Answer) -> float:
@@ -124,7 +126,7 @@ async def run(request: DecisionRequest, steps: Sequence[str], thresholds: Sequen
 
         going_on: list[int] = []
         try:
-            result = step.result = await ask(asked, name, step_gate)
+            result = step.result = await ask(asked, step, step_gate)
             going_on = [] if last else unsure(result.answers, thresholds[i])
             step.escalated = len(going_on)
         finally:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -151,11 +150,9 @@ class Router:
 
     async def _cascade(self, request: DecisionRequest, virtual: VirtualModelConfig, gate: Gate,
                        report: Callable[[Step], None], ends: float, billed: Billed) -> DecisionResult:
-        numbers = itertools.count(1)
-
-        async def ask(asked: DecisionRequest, step: str, step_gate: Gate) -> DecisionResult:
-            with self._step(step, next(numbers), len(asked.questions)):
-                return await self.decide(asked, self.catalog.canonical(step) or step, step_gate, ends=ends,
+        async def ask(asked: DecisionRequest, step: Step, step_gate: Gate) -> DecisionResult:
+            with self._step(step.name, step.position, len(asked.questions)):
+                return await self.decide(asked, self.catalog.canonical(step.name) or step.name, step_gate, ends=ends,
                                          billed=billed)
 
         def reported(step: Step) -> None:
