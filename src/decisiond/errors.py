@@ -29,8 +29,10 @@ given that it cannot use (one line naming the file, line and field; exit code 2)
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -226,6 +228,19 @@ class InputError(ValueError):
     def at(self, path: str | os.PathLike[str], line: int | None = None) -> InputError:
         """The same error (of the same class), in the file ``path`` (at ``line``)."""
         return type(self)(self.message, path, line, self.field)
+
+    @classmethod
+    def read_text(cls, path: str | os.PathLike[str]) -> str:
+        """The text of the UTF-8 file ``path``; an error of this class (``unreadable``) where it cannot be read."""
+        try:
+            return pathlib.Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise cls.unreadable(path, e) from None
+
+    @staticmethod
+    def not_json(error: json.JSONDecodeError) -> str:
+        """What is wrong with a text that is not JSON, as a refusal says it."""
+        return f"not JSON ({error.msg}, column {error.colno})"
 
     @classmethod
     def unreadable(cls, path: str | os.PathLike[str], error: OSError | UnicodeDecodeError) -> InputError:

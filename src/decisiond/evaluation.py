@@ -62,10 +62,7 @@ LABELED_FIELDS = ("input", "questions", "gold")
 def load(path: str | Path) -> list[LabeledItem]:
     """The labeled items of the JSON Lines file ``path``; an ``InputError`` naming the file, the line and the field
     (as the server names it: ``questions[0].choices``, ``gold.billing``) at fault."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError.unreadable(path, e) from None
+    text = InputError.read_text(path)
     items = [_labeled(line, path, number) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not items:
         raise InputError("no labeled items (JSON Lines: input, questions and gold on each line)", path)
@@ -77,7 +74,7 @@ def _labeled(line: str, path: str | Path, number: int) -> LabeledItem:
     try:
         data = json.loads(line)
     except json.JSONDecodeError as e:
-        raise InputError(f"not JSON ({e.msg}, column {e.colno})", path, number) from None
+        raise InputError(InputError.not_json(e), path, number) from None
     if not isinstance(data, dict):
         raise InputError("not a JSON object with input, questions and gold", path, number)
     for name in LABELED_FIELDS:

@@ -135,7 +135,7 @@ def _questions(path: str) -> list[Any]:
     try:
         data = json.loads(read_input(path))
     except json.JSONDecodeError as error:
-        raise InputError(f"not JSON ({error.msg}, column {error.colno})", path, error.lineno) from None
+        raise InputError(InputError.not_json(error), path, error.lineno) from None
     except UnicodeDecodeError as error:
         raise InputError.unreadable(path, error) from None
     questions = data.get("questions") if isinstance(data, dict) else data

@@ -344,10 +344,7 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         """The profile ``save`` wrote to ``path``; a ``ProfileError`` naming the file (and the line or the field)
         where it is not one."""
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ProfileError.unreadable(path, e) from None
+        text = ProfileError.read_text(path)
 
         def wrong(message: str, field: str | None = None, line: int | None = None) -> ProfileError:
             return ProfileError(f"{message}: not a decisiond calibration profile (one is written by 'decisiond "
@@ -356,7 +353,7 @@ class Profile:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise wrong(f"not JSON ({e.msg}, column {e.colno})", line=e.lineno) from None
+            raise wrong(ProfileError.not_json(e), line=e.lineno) from None
         if not isinstance(data, dict):
             raise wrong("not a JSON object")
         for name in data:

@@ -106,10 +106,7 @@ def parse(data: Any) -> GatewayConfig:
 
 def load(path: str | Path) -> GatewayConfig:
     """The config in the YAML file ``path``; a ``ConfigError`` naming the file, the line and the entry at fault."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError.unreadable(path, e) from None
+    text = ConfigError.read_text(path)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()  # kept for the lines of the entries

@@ -150,8 +150,17 @@ class Database:
             event.listen(writer, "connect", _sqlite_pragmas)
             event.listen(writer, "begin", _begin_immediate)
         db = cls(engine, writer)
-        async with engine.begin() as conn:
-            await conn.run_sync(_upgrade)
+        try:
+            if writer is not None:
+                # A file that cannot be opened fails here, in the plain driver, before any aiosqlite connection: a
+                # failed aiosqlite connect leaves its worker thread to answer on the event loop later, which a
+                # command line has closed by then ("Event loop is closed"; aiosqlite 0.22, omnilib/aiosqlite#389).
+                await asyncio.to_thread(lambda: writer.connect().close())
+            async with engine.begin() as conn:
+                await conn.run_sync(_upgrade)
+        except BaseException:  # not opened: its connections are closed before the error goes on
+            await db.aclose()
+            raise
         return db
 
     async def reachable(self, timeout: float) -> bool:
