@@ -141,3 +141,23 @@ BUDGET_RESERVATION_TTL_S = 3600
 # --metrics-question-labels); later names are counted as "_other".
 DEFAULT_QUESTION_LABELS = 50
 MAX_QUESTION_LABELS = 1000
+
+# The Batch API (``gateway.batches``): the largest upload (OpenAI's own limit), lines of one batch answered at once,
+# how long a batch stays with a process that has gone silent, the longest custom_id, a batch's metadata (OpenAI's:
+# 16 pairs, keys of 64 characters, values of 512), the pages of the list routes, how often a runner looks for work
+# and renews its leases, and how many answered lines are written in one transaction (at least every
+# BATCH_FLUSH_S).
+BATCH_MAX_FILE_BYTES = 200 * 1024 * 1024
+BATCH_CONCURRENCY = 8
+BATCH_LEASE_S = 30.0
+BATCH_MAX_CUSTOM_ID = 512
+BATCH_METADATA_PAIRS = 16
+BATCH_METADATA_KEY = 64
+BATCH_METADATA_VALUE = 512
+BATCH_LIST_MAX = 100
+FILE_LIST_MAX = 10_000
+BATCH_POLL_S = 1.0
+BATCH_FLUSH_LINES = 64
+BATCH_FLUSH_S = 0.25
+# Validation errors a failed batch lists (OpenAI's ``errors.data``); the rest are counted in the last one's message.
+BATCH_MAX_ERRORS = 100

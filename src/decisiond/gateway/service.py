@@ -141,7 +141,7 @@ class Gateway:
             self.leases = LeaseBook(self.budgets)
             self.leases.start()
             self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal,
-                                     on_written=self.leases.written)
+                                     on_written=self.leases.written, on_dropped=self.leases.dropped)
             self.usage.start()
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
@@ -284,7 +284,8 @@ class Gateway:
             for n, call in enumerate(context.calls):
                 part = dataclasses.replace(context, calls=[], targets_tried=call.targets_tried,
                                            answered_by=call.answered_by, cost=call.cost,
-                                           charges=context.charges if n == 0 else [])
+                                           charges=context.charges if n == 0 else [],
+                                           record_id=_part_id(context.record_id, n))
                 answer = DecisionResult(call.model or "", [], call.usage) if call.usage is not None else None
                 self.record(request_type, part, call.status or status, call.error_code or error_code, answer,
                             document if n == 0 else None, body if n == 0 else None, guardrail)
@@ -312,9 +313,16 @@ class Gateway:
                 estimated=estimated, guardrail=guardrail or _guardrail_summary(outcomes), outcomes=outcomes or None,
                 request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
                 response_body=redact(body, audit.redact_fields) if audit.log_bodies else None,
-                charges=[c.row() for c in context.charges] or None))
+                charges=[c.row() for c in context.charges] or None, batch_id=context.batch_id,
+                record_id=context.record_id))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
+
+
+def _part_id(record_id: str | None, n: int) -> str | None:
+    """The usage record id of row ``n`` of a request whose records have fixed ids (``Context.record_id``, the
+    first row's; the others end in their number)."""
+    return None if record_id is None else f"{record_id[:30]}{n % 100:02d}"
 
 
 def _needs_database(master_key: str | None, database_url: str | None, config: GatewayConfig) -> bool:

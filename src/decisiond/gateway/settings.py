@@ -20,6 +20,9 @@ from pydantic import (
 )
 
 from ..limits import (
+    BATCH_CONCURRENCY,
+    BATCH_LEASE_S,
+    BATCH_MAX_FILE_BYTES,
     BUDGET_RESERVATION_TTL_S,
     CACHE_MAX_BYTES,
     CACHE_TTL_S,
@@ -431,6 +434,27 @@ class MetricsConfig(BaseModel):
     """
 
 
+class BatchesConfig(BaseModel):
+    """The Batch API (``POST /v1/files``, ``POST /v1/batches``; ``gateway.batches``). It needs the gateway's
+    database: a server without one answers those routes with 400."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    files_path: str | None = None
+    """The folder uploaded files and batch outputs are kept in; unset: ``files`` in the data directory. Replicas
+    that share a database must share this folder too (any of them may run a batch and serve its files)."""
+    max_file_bytes: int = Field(default=BATCH_MAX_FILE_BYTES, ge=1)
+    """The largest file ``POST /v1/files`` takes, in bytes (413 above it)."""
+    concurrency: int = Field(default=BATCH_CONCURRENCY, ge=1, le=256)
+    """Lines of one batch answered at once. A batch's lines take what the rate limits leave: a line refused by a
+    rate limit waits and is asked again, never failed."""
+    max_running: int = Field(default=2, ge=1, le=64)
+    """Batches one server process runs at once; the others wait their turn."""
+    lease_s: float = Field(default=BATCH_LEASE_S, gt=0)
+    """How long a batch stays with the process running it without a word from it: a batch whose process died on
+    another host is taken up by another replica after this long (on the same host, at once)."""
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -472,6 +496,8 @@ class GatewayConfig(BaseModel):
     """OpenTelemetry traces: where they are exported, under which service name, which share of requests."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """How the decision quality metrics of ``GET /metrics`` are labelled: how many question names get their own."""
+    batches: BatchesConfig = Field(default_factory=BatchesConfig)
+    """The Batch API: where files are kept, their size limit, how many lines and batches run at once."""
     default_model: str | None = None
     """The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any name);
     defaults to the first local provider's model.

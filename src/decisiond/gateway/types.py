@@ -107,6 +107,11 @@ class Context:
     request_headers: Mapping[str, str] = field(default_factory=dict)
     # What the request owes its budgets, set by the budget stage as the request ends; carried by its usage record.
     charges: list[Charge] = field(default_factory=list)
+    # A batch line's: its batch, and the id of its usage record (32 characters; a request of several rows gives
+    # row n the same id ending in n, two digits), the same however many times the line is answered
+    # (``usage.UsageRecord.record_id``).
+    batch_id: str | None = None
+    record_id: str | None = None
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

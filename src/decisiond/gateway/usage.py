@@ -17,7 +17,8 @@ from ..store.tables import UsageRow
 
 # "guardrail": a decision_judge guardrail's call to its judge model, under the guardrail's own user path;
 # "chat", "responses": guarded chat traffic (/v1/chat/completions, /v1/responses).
-REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp")
+# "batch": a line of a batch (``POST /v1/batches``), with the batch's id.
+REQUEST_TYPES = ("decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp", "batch")
 # Group-by names of the admin summaries → usage columns.
 GROUPS = {"key": "key_id", "user_path": "user_path", "model": "model", "provider": "provider",
           "request_type": "request_type", "resolved_model": "resolved_model", "status": "status"}
@@ -56,6 +57,12 @@ class UsageRecord:
     response_body: Any = None
     # Budget charges settled with this row (``types.Charge.row``); journaled with it, not a column.
     charges: list[list[Any]] | None = None
+    # The batch of a batch line's row.
+    batch_id: str | None = None
+    # Its id, when the request may be answered again and must still leave one row (a batch line taken up again
+    # after a restart): a record whose id is already in the table is not written, nor its charges settled. None: a
+    # fresh id of its own (``usage_writer``).
+    record_id: str | None = None
 
     def row(self) -> dict[str, Any]:
         """The record as the journal and the usage table take it (its values as they are: not copied)."""

@@ -105,8 +105,11 @@ class UsageWriter:
     db: Database
     retention_days: int | None = None
     journal: Journal | None = None
-    # Told of the budget charges of each batch once they are in the ledger (the budgets' view of this process).
+    # Told of the budget charges of each batch once they are in the ledger (the budgets' view of this process), and
+    # of those not applied because their record was in the table already (a request answered again: a batch line
+    # taken up after a restart).
     on_written: Callable[[list[Charge]], None] | None = None
+    on_dropped: Callable[[list[Charge]], None] | None = None
     queue_max: int = USAGE_QUEUE_MAX
     # Records the journal could not take (its disk refused them), held in memory up to queue_max.
     buffer: list[dict[str, Any]] = field(default_factory=list)
@@ -129,7 +132,8 @@ class UsageWriter:
 
     def submit(self, record: UsageRecord) -> None:
         """Journal ``record`` (before its response leaves); the writer takes it from there. Never waits."""
-        row = {**record.row(), "record_id": uuid.uuid4().hex}
+        row = record.row()
+        row["record_id"] = record.record_id or uuid.uuid4().hex
         if self.journal is not None:
             try:
                 self.journal.append(row)
@@ -236,10 +240,12 @@ class UsageWriter:
             for start in range(0, len(rows), USAGE_SLICE):  # the event loop serves requests between slices
                 fitted += [fit(r) for r in rows[start:start + USAGE_SLICE]]
                 await asyncio.sleep(0)
-            charges = await self._write(rows, fitted)
+            charges, dropped = await self._write(rows, fitted)
             self.written += len(rows)
             if charges and self.on_written is not None:
                 self.on_written(charges)
+            if dropped and self.on_dropped is not None:
+                self.on_dropped(dropped)
             return
         except asyncio.CancelledError:
             raise
@@ -259,17 +265,23 @@ class UsageWriter:
         if self.journal is not None:
             self.journal.dead_letter(rows[0], one_line(failure))
 
-    async def _write(self, rows: list[dict[str, Any]], fitted: list[dict[str, Any]]) -> list[Charge]:
-        """One transaction: the new rows inserted, the charges they carry applied; those charges."""
+    async def _write(self, rows: list[dict[str, Any]],
+                     fitted: list[dict[str, Any]]) -> tuple[list[Charge], list[Charge]]:
+        """One transaction: the new rows inserted, the charges they carry applied; those charges, and those of the
+        rows already there (not applied: a record is charged once)."""
         dialect = self.db.engine.dialect
 
-        def charged(new: set[str]) -> list[Charge]:
-            return [Charge.of(c) for r in rows if r["record_id"] in new for c in r.get("charges") or ()]
+        def charged(new: set[str]) -> tuple[list[Charge], list[Charge]]:
+            applied: list[Charge] = []
+            dropped: list[Charge] = []
+            for r in rows:
+                (applied if r["record_id"] in new else dropped).extend(Charge.of(c) for c in r.get("charges") or ())
+            return applied, dropped
 
         if self.db.writer is not None:  # SQLite: the whole transaction in a thread, the file's lock held briefly
-            def run(connection: Connection) -> list[Charge]:
+            def run(connection: Connection) -> tuple[list[Charge], list[Charge]]:
                 charges = charged(insert_new_sqlite(connection, fitted, values_of(fitted, dialect)))
-                apply_charges(connection, charges)
+                apply_charges(connection, charges[0])
                 return charges
 
             return await self.db.write(run)
@@ -279,8 +291,8 @@ class UsageWriter:
             await asyncio.sleep(0)
         async with self.db.session() as session, session.begin():
             charges = charged(await insert_new_postgres(session, values))
-            if charges:
-                await (await session.connection()).run_sync(apply_charges, charges)
+            if charges[0]:
+                await (await session.connection()).run_sync(apply_charges, charges[0])
         return charges
 
     async def aclose(self) -> None:

@@ -1,11 +1,12 @@
 """The FastAPI app: ``create_app`` assembles the decision routes (``routes``), the small GET routes (``pages``),
-admin, chat and MCP behind the request middleware (``middleware``), and owns the app's lifespan; ``Settings`` are
-the server's body limits."""
+admin, chat, the Files and Batch APIs (``batch_api``, run by ``batch_runner``) and MCP behind the request
+middleware (``middleware``), and owns the app's lifespan; ``Settings`` are the server's body limits."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
@@ -16,9 +17,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..gateway.router import Router
 from ..gateway.service import Gateway
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from ..store.batches import BatchStore, default_folder
 from ..version import __version__
-from . import admin, chat, pages
+from . import admin, batch_api, chat, pages
 from . import mcp as mcp_server
+from .batch_runner import BatchRunner
 from .guard import AccessGuard
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import RequestContext
@@ -42,16 +45,20 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        runner = app.state.batches = _batch_runner(gateway)
         try:
             async with mcp.session_manager.run():
                 yield
         finally:
+            if runner is not None:
+                await runner.aclose()  # lines in flight finish or stop; the batches' leases are given back
             await gateway.aclose()  # upstream connection pools, Redis, the database
 
     app = App(title="decisiond", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.state.gateway = gateway
     app.state.settings = settings
+    app.state.batches = None  # the Batch API's runner, once the gateway's database is open
     app.state.metrics = metrics = Metrics(router, gateway)
     app.add_middleware(AccessGuard)  # innermost of the three: its refusals are counted and logged
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
@@ -63,8 +70,20 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.include_router(admin.router)
     app.include_router(chat.router)
     app.include_router(admin.self_service)
+    app.include_router(batch_api.router)
     app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["GET", "POST", "DELETE"]))
     return app
+
+
+def _batch_runner(gateway: Gateway) -> BatchRunner | None:
+    """The Batch API's runner, started, on the gateway's database (None without one)."""
+    if gateway.db is None:
+        return None
+    config = gateway.config.batches
+    folder = Path(config.files_path) if config.files_path else default_folder(gateway.database_url)
+    runner = BatchRunner(gateway, BatchStore(gateway.db, folder), config)
+    runner.start()
+    return runner
 
 
 class App(FastAPI):

@@ -138,40 +138,62 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
     except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing to log as a fault
         fields["error_code"] = ClientGone.code
         return JSONResponse(None, status_code=ClientGone.status)
-    document = payload.document
     fields["dialect"] = dialect.name
     context = Context(request.state.request_id, dialect.operation, dialect.name, caller,
                       strict_model=dialect.strict_model, request_headers=request.headers)
+    answer = await respond(gateway, dialect, context, payload.document, payload.files, fields, request)
+    gateway.record(route.request_type, context, answer.status, answer.error_code, answer.result, payload.document,
+                   answer.body)
+    if answer.status == ClientGone.status:
+        return JSONResponse(None, status_code=ClientGone.status)
+    return error_response((answer.status, answer.body), answer.headers)
+
+
+@dataclass
+class Answer:
+    """What a decision route answers: status, body and headers, and for the usage record the result (None for an
+    error) and the error's code."""
+
+    status: int
+    body: Any
+    headers: dict[str, str]
+    result: Any = None
+    error_code: str | None = None
+
+
+async def respond(gateway: Gateway, dialect: Dialect, context: Context, document: Any,
+                  files: dict[str, Any] | None, fields: dict[str, Any], request: Request | None = None) -> Answer:
+    """Parse ``document`` in ``dialect``, run the pipeline, render the answer — or the error, raised anywhere — in
+    the dialect. With ``request``, the work is cancelled when its client leaves or its deadline passes
+    (``until_done``). ``fields`` gets the access line's fields. The caller records the usage (``Gateway.record``):
+    a route at once, a batch line once it is final."""
     try:
-        parsed = dialect.parse(document, payload.files)
+        parsed = dialect.parse(document, files or {})
         fields["model"] = parsed.model
         if dialect.operation == "score":
             fields["items"] = len(parsed.prompts)
         else:
             fields["questions"] = len(parsed.questions)
-        timeout = client_timeout(request)
-        result = await until_done(request, gateway.pipeline.run(context, parsed), timeout)
+        if request is not None:
+            timeout = client_timeout(request)
+            result = await until_done(request, gateway.pipeline.run(context, parsed), timeout)
+        else:
+            result = await gateway.pipeline.run(context, parsed)
         headers = _answer_headers(context, result, fields)
-        body = dialect.render(result, parsed)
-        gateway.record(route.request_type, context, 200, None, result, document, body)
-        return JSONResponse(body, headers=headers)
+        return Answer(200, dialect.render(result, parsed), headers, result)
     except ClientGone:  # nobody reads the answer: its work was cancelled, and the record says so
         fields["error_code"] = ClientGone.code
-        gateway.record(route.request_type, context, ClientGone.status, ClientGone.code, None, document, None)
-        return JSONResponse(None, status_code=ClientGone.status)
+        return Answer(ClientGone.status, None, {}, error_code=ClientGone.code)
     except DecisionError as error:
         fields.update(error_code=error.code, outcomes=context.outcomes or None,
                       resolved_model=context.resolved_model)  # a refusal's model, once the pipeline knew it
         status, rendered = dialect.render_error(error, document)
-        gateway.record(route.request_type, context, status, error.code, None, document, rendered)
-        return error_response((status, rendered), context.response_headers, error.headers)
+        return Answer(status, rendered, {**context.response_headers, **error.headers}, error_code=error.code)
     except Exception:  # a bug: answered in the caller's dialect, never with a traceback
         log.exception("unhandled error", extra={"request_id": context.request_id})
         fields["error_code"] = INTERNAL_ERROR.code
-        rendered_error = dialect.render_error(INTERNAL_ERROR, document)
-        gateway.record(route.request_type, context, rendered_error[0], INTERNAL_ERROR.code, None, document,
-                       rendered_error[1])
-        return error_response(rendered_error)
+        status, rendered = dialect.render_error(INTERNAL_ERROR, document)
+        return Answer(status, rendered, {}, error_code=INTERNAL_ERROR.code)
 
 
 async def _read(request: Request, route: DecisionRoute) -> tuple[Caller, Payload, Dialect]:

@@ -74,6 +74,8 @@ class UsageRow(Base):
     # True when the tokens were counted by decisiond (the upstream reported none), not reported by the upstream.
     estimated: Mapped[bool] = mapped_column(Boolean, default=False)
     guardrail: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # The batch a line of which this request was (request type ``batch``); NULL otherwise.
+    batch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     outcomes: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     request_body: Mapped[Any] = mapped_column(JSON, nullable=True)
     response_body: Mapped[Any] = mapped_column(JSON, nullable=True)
@@ -120,3 +122,76 @@ class BudgetReservation(Base):
     window_start: Mapped[int] = mapped_column(BigInteger)
     amount: Mapped[int] = mapped_column(BigInteger)
     created_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class StoredFile(Base):
+    """An uploaded file (``POST /v1/files``) or a batch's output or error file. The bytes are a file of their own
+    under the files folder (``path``, relative to it); the row is what the Files API lists. ``key_id`` is the key
+    that made it (None: the master key, or anyone on a server without keys)."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_key_created", "key_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(210), nullable=True)
+    filename: Mapped[str] = mapped_column(String(256))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    # Request lines in a batch input file (what a batch made from it counts as its total).
+    lines: Mapped[int] = mapped_column(Integer, default=0)
+    path: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class BatchJob(Base):
+    """A batch (``POST /v1/batches``): its OpenAI fields, who runs its lines (the caller that made it), and its
+    progress. Every line below ``next_line`` is done; lines at or past it that are done have a ``batch_results`` row.
+    ``runner``/``lease_until`` name the process that runs it while its lease lasts."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_key_created", "key_id", "created_at"),
+                      Index("ix_batches_status", "status"))
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(210), nullable=True)
+    user_path: Mapped[str] = mapped_column(String(256))
+    master: Mapped[bool] = mapped_column(Boolean, default=False)
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    batch_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    next_line: Mapped[int] = mapped_column(Integer, default=0)
+    output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int] = mapped_column(BigInteger)
+    in_progress_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finalizing_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    expired_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    cancelling_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    cancelled_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    runner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class BatchResult(Base):
+    """One answered line of a batch that is not finalized yet: the line of its output or error file. Written with
+    the batch's progress in one transaction; deleted when the batch's files are written."""
+
+    __tablename__ = "batch_results"
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    body: Mapped[Any] = mapped_column(JSON)

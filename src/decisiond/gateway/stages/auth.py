@@ -48,6 +48,12 @@ def in_subtree(path: str, root: str) -> bool:
     return path == root or path.startswith(root + "/") or root == ""
 
 
+def _static_caller(static: StaticKeyConfig) -> Caller:
+    return Caller(key_id=f"static:{static.name}", name=static.name, user_path=static.user_path,
+                  models=tuple(static.models) if static.models is not None else None,
+                  rate_limits=static.rate_limits, guardrails=tuple(static.guardrails))
+
+
 class Authenticator:
     def __init__(self, master_key: str | None = None, static_keys: list[StaticKeyConfig] | None = None,
                  store: KeyStore | None = None):
@@ -79,10 +85,24 @@ class Authenticator:
             return Caller(key_id=None, name="master", master=True)
         static = self._static.get(digest)
         if static is not None:
-            return Caller(key_id=f"static:{static.name}", name=static.name, user_path=static.user_path,
-                          models=tuple(static.models) if static.models is not None else None,
-                          rate_limits=static.rate_limits, guardrails=tuple(static.guardrails))
-        record = await self._managed(key, digest)
+            return _static_caller(static)
+        return self._managed_caller(await self._managed(key, digest))
+
+    async def caller_of(self, key_id: str | None, master: bool = False) -> Caller:
+        """The caller a key is now, by its id: what the lines of a batch run as (the key that made it, also after a
+        restart). A revoked or expired key, or one no longer configured, is refused (401) as its requests are."""
+        if not self.enabled:
+            return Caller()
+        if master:
+            return Caller(key_id=None, name="master", master=True)
+        static = next((k for k in self._static.values() if f"static:{k.name}" == key_id), None)
+        if static is not None:
+            return _static_caller(static)
+        if key_id is None or key_id.startswith("static:") or self.store is None:
+            raise AuthenticationFailed("The API key that made this batch is no longer configured.")
+        return self._managed_caller(await self.store.get(key_id))
+
+    def _managed_caller(self, record: KeyRecord | None) -> Caller:
         if record is None:
             raise AuthenticationFailed("Invalid API key.")
         status = record.status()

@@ -161,12 +161,27 @@ class LeaseBook:
             if c.hold_id is not None:
                 self._pending_held[c.hold_id] = self._pending_held.get(c.hold_id, 0) + c.held
 
+    def dropped(self, charges: list[Charge]) -> None:
+        """The usage writer has not applied ``charges``: their records were written before (a request answered
+        again, its first answer already charged). What they held goes back to their lease, whose hold in the
+        ledger still has it."""
+        for c in self._forget(charges):
+            lease = self.leases.get((c.budget_id, c.window_start))
+            if lease is not None and c.hold_id is not None and lease.id == c.hold_id:
+                lease.room += c.held
+
     def written(self, charges: list[Charge]) -> None:
         """The usage writer has applied ``charges`` to the ledger (those of other processes' journals are not ours,
         and change nothing here)."""
+        self._forget(charges)
+
+    def _forget(self, charges: list[Charge]) -> list[Charge]:
+        """``charges`` no longer pending (those of this process: returned)."""
+        ours = []
         for c in charges:
             if self._unwritten[c] <= 0:
                 continue
+            ours.append(c)
             self._writes += 1
             self._unwritten[c] -= 1
             if not self._unwritten[c]:
@@ -183,6 +198,7 @@ class LeaseBook:
                     self._pending_held[c.hold_id] = held
                 else:
                     self._pending_held.pop(c.hold_id, None)
+        return ours
 
     def local(self, budget: str, start: int) -> Local:
         """What this process knows of a window that the ledger does not have yet (``budget_ledger.Local``)."""

@@ -1,0 +1,415 @@
+"""Running batches (``POST /v1/batches``): each line of the input file through the whole pipeline as the key that
+made the batch, answers and errors into the batch's output and error files, progress on the database.
+
+A process's ``BatchRunner`` claims active batches no live process holds (``store.batches``), up to
+``batches.max_running`` at once, and renews their leases while it runs them. A batch goes
+
+- ``validating``: every line's ``url`` must be the batch's endpoint, else the batch ``failed`` with one error per
+  line at fault (``errors``); then ``in_progress``;
+- ``in_progress``: lines are read from the file one at a time and answered ``batches.concurrency`` at once, in
+  the route's own dialect, exactly as ``POST <endpoint>`` answers them (``routes.respond``), each leaving its usage
+  row (request type ``batch``, the batch's id). A line refused by a rate limit waits as the refusal says and is asked
+  again: a batch takes what the limits leave to interactive traffic. Any other refusal (a budget's 402, a
+  guardrail's block, a bad body) is the line's answer, in the error file, and the batch goes on;
+- ``finalizing``: the output and error files are written in line order from the stored answers, then the batch is
+  ``completed`` (or ``cancelled``, or ``expired`` — its unanswered lines then in the error file as
+  ``batch_expired``) in the transaction that records them.
+
+Exactly once: answered lines are stored with the batch's progress in one transaction (``BatchStore.save``), a group
+at a time. A process killed mid-batch leaves its lease to run out (at once on the same host); the next process
+answers the lines not stored — some lines twice, then, but their usage rows have fixed ids (``Context.record_id``),
+so each line leaves one usage row and is charged once, and its line appears once in the output. Memory stays
+bounded: the input is read a line at a time, at most ``concurrency`` lines are in flight, answers go to the database
+a group at a time, and the files are written from it a page at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..canonical import DecisionResult, ScoreResult
+from ..errors import DecisionError, one_line
+from ..gateway.service import Gateway
+from ..gateway.settings import BatchesConfig
+from ..gateway.types import Caller, Context
+from ..limits import BATCH_FLUSH_LINES, BATCH_FLUSH_S, BATCH_MAX_ERRORS, BATCH_POLL_S
+from ..store.batches import BatchStore, Result, runner_name
+from ..store.tables import BatchJob, StoredFile
+from .routes import ROUTES, DecisionRoute, respond
+
+log = logging.getLogger("decisiond.batches")
+
+# The endpoints a batch may name: the decision routes.
+ENDPOINTS: dict[str, DecisionRoute] = {route.path: route for route in ROUTES}
+# How long a line refused by a rate limit waits when the refusal does not say, and at most.
+RETRY_DEFAULT_S = 1.0
+RETRY_MAX_S = 60.0
+# How often a running batch reads its key again (a revoked key's lines are refused from then on).
+CALLER_CHECK_S = 5.0
+# How long a stopping runner lets the lines in flight finish before it cancels them.
+STOP_GRACE_S = 5.0
+
+
+def request_id(batch_id: str, line: int) -> str:
+    """A line's request id, the same each time it is answered (``batch_req_`` and 24 hex digits)."""
+    return "batch_req_" + hashlib.sha256(f"{batch_id}:{line}".encode()).hexdigest()[:24]
+
+
+def record_id(batch_id: str, line: int) -> str:
+    """A line's usage record id (``Context.record_id``): a second record of the line is not written."""
+    return hashlib.sha256(f"usage:{batch_id}:{line}".encode()).hexdigest()[:30] + "00"
+
+
+def output_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's output or error file, the same however often it is written."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
+
+
+class Stopped(Exception):
+    """The batch is no longer this process's (its lease was lost) or the process is stopping."""
+
+
+class BatchRunner:
+    def __init__(self, gateway: Gateway, store: BatchStore, config: BatchesConfig,
+                 clock: Callable[[], float] = time.time):
+        self.gateway = gateway
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.name = runner_name()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.store.folder.mkdir(parents=True, exist_ok=True)
+        self._task = asyncio.create_task(self._loop(), name="batch-runner")
+
+    def wake(self) -> None:
+        """Look for work now (a batch was made or cancelled here)."""
+        self._wake.set()
+
+    async def aclose(self) -> None:
+        """Stop: no new line starts; lines in flight get ``STOP_GRACE_S`` to finish; what is answered is stored
+        and the leases are given back, so that the next process takes the batches up at once."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._running:
+            await asyncio.wait(list(self._running.values()), timeout=STOP_GRACE_S + 5)
+
+    async def _loop(self) -> None:
+        renewed = 0.0
+        while not self._stopping:
+            try:
+                while len(self._running) < self.config.max_running:
+                    job = await self.store.claim(self.name, self.clock(), self.config.lease_s, set(self._running))
+                    if job is None:
+                        break
+                    self._running[job.id] = task = asyncio.create_task(self._run(job), name=f"batch {job.id}")
+                    task.add_done_callback(lambda done, ident=job.id: self._running.pop(ident, None))
+                if self.clock() - renewed >= self.config.lease_s / 3:
+                    renewed = self.clock()
+                    held = await self.store.renew(list(self._running), self.name, renewed + self.config.lease_s)
+                    for ident, task in list(self._running.items()):
+                        if ident not in held:  # taken by another process: this one stops
+                            task.cancel()
+                await self._expire_files()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the database: tried again at the next poll
+                log.warning("batch runner: %s", one_line(error))
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(BATCH_POLL_S, self.config.lease_s / 3))
+
+    async def _expire_files(self) -> None:
+        for file_id in await self.store.expired_files(int(self.clock())):
+            await self.store.delete_file(file_id)
+
+    async def _run(self, job: BatchJob) -> None:
+        try:
+            if job.status == "validating":
+                job = await self._validate(job)
+            if job.status == "in_progress":
+                job = await self._answer(job)
+            if job.status in ("finalizing", "cancelling"):
+                await self._finalize(job)
+        except (Stopped, asyncio.CancelledError):
+            pass
+        except Exception:  # a fault: the lease runs out and a process takes the batch up again
+            log.exception("batch %s stopped by an error; it is taken up again later", job.id)
+        finally:
+            if self._stopping:
+                with contextlib.suppress(Exception):
+                    await self.store.release(job.id, self.name)
+
+    async def _set(self, job: BatchJob, **values: Any) -> BatchJob:
+        """The batch moved on from the status it has here; when it has meanwhile been cancelled, the batch as it
+        now is (``cancelling``); ``Stopped`` when another process holds it."""
+        if await self.store.set_state(job.id, self.name, job.status, values):
+            for name, value in values.items():
+                setattr(job, name, value)
+            return job
+        return await self._current(job)
+
+    async def _current(self, job: BatchJob) -> BatchJob:
+        """The batch as the database has it now; ``Stopped`` when another process holds it."""
+        now = await self.store.batch(job.id)
+        if now is None or now.runner != self.name:
+            raise Stopped()
+        return now
+
+    async def _validate(self, job: BatchJob) -> BatchJob:
+        """Every line's ``url`` is the batch's endpoint (the file's own shape was checked at upload)."""
+        source = await self.store.file(job.input_file_id)
+        if source is None:
+            return await self._missing(job)
+
+        def scan() -> list[dict[str, Any]]:
+            errors: list[dict[str, Any]] = []
+            found = 0
+            for n, raw in _lines(self.store.path(source)):
+                url = orjson.loads(raw).get("url")
+                if url != job.endpoint:
+                    found += 1
+                    if len(errors) < BATCH_MAX_ERRORS:
+                        errors.append({"code": "invalid_url", "line": n + 1, "param": "url", "message":
+                                       f"the url {str(url)[:100]!r} is not the batch's endpoint {job.endpoint}"})
+            if found > len(errors):
+                errors[-1]["message"] += f" ({found - len(errors)} more lines like it are not listed)"
+            return errors
+
+        errors = await asyncio.to_thread(scan)
+        if errors:
+            return await self._set(job, status="failed", failed_at=int(self.clock()), errors=errors)
+        return await self._set(job, status="in_progress", in_progress_at=int(self.clock()))
+
+    async def _missing(self, job: BatchJob) -> BatchJob:
+        return await self._set(job, status="failed", failed_at=int(self.clock()), errors=[{
+            "code": "file_not_found", "line": None, "param": "input_file_id",
+            "message": f"the input file {job.input_file_id} was deleted before the batch was done"}])
+
+    async def _caller(self, job: BatchJob) -> Caller | DecisionError:
+        """What the batch's lines run as now: the key that made it (a revoked key's lines are refused, 401)."""
+        try:
+            caller = await self.gateway.auth.caller_of(job.key_id, job.master)
+        except DecisionError as error:
+            return error
+        return dataclasses.replace(caller, user_path=job.user_path)
+
+    async def _answer(self, job: BatchJob) -> BatchJob:
+        """Answer the lines not answered yet, storing them a group at a time; then ``finalizing`` — or the batch as
+        it is when it was cancelled meanwhile (``cancelling``)."""
+        source = await self.store.file(job.input_file_id)
+        if source is None:
+            return await self._missing(job)
+        route = ENDPOINTS[job.endpoint]
+        done = await self.store.done_from(job.id, job.next_line)
+        slots = asyncio.Semaphore(self.config.concurrency)
+        pending: set[int] = set()
+        tasks: set[asyncio.Task[None]] = set()
+        answered: list[Result] = []
+        cursor = job.next_line
+        status = job.status
+        flushed = checked = time.monotonic()
+        caller = await self._caller(job)
+        read_all = False
+
+        async def flush() -> None:
+            nonlocal status, flushed
+            group = list(answered)
+            answered.clear()
+            flushed = time.monotonic()
+            saved = await self.store.save(job.id, self.name, group, min(pending, default=cursor))
+            if saved is None:
+                raise Stopped()
+            status = saved
+
+        async def answer(n: int, raw: bytes, caller: Caller | DecisionError) -> None:
+            try:
+                answered.append(await self._line(job, route, n, raw, caller))
+            finally:
+                pending.discard(n)
+                slots.release()
+
+        try:
+            with self.store.path(source).open("rb") as file:
+                for n, raw in enumerate(file):
+                    if n < job.next_line or n in done or not raw.strip():
+                        cursor = n + 1
+                        continue
+                    await slots.acquire()
+                    if answered and (len(answered) >= BATCH_FLUSH_LINES or time.monotonic() - flushed >= BATCH_FLUSH_S):
+                        await flush()
+                    if status == "cancelling" or self._stopping or self.clock() >= job.expires_at:
+                        slots.release()
+                        break
+                    if time.monotonic() - checked >= CALLER_CHECK_S:  # a key revoked meanwhile is seen
+                        checked, caller = time.monotonic(), await self._caller(job)
+                    pending.add(n)
+                    cursor = n + 1
+                    task = asyncio.create_task(answer(n, raw, caller))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                else:
+                    read_all = True
+            if tasks:
+                _, late = await asyncio.wait(set(tasks), timeout=STOP_GRACE_S if self._stopping else None)
+                for task in late:
+                    task.cancel()
+                if late:
+                    await asyncio.wait(late)
+            await flush()
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        if self._stopping:
+            raise Stopped()
+        if status == "cancelling":
+            return await self._current(job)
+        if read_all or self.clock() >= job.expires_at:
+            return await self._set(job, status="finalizing", finalizing_at=int(self.clock()))
+        return job
+
+    async def _line(self, job: BatchJob, route: DecisionRoute, n: int, raw: bytes,
+                    caller: Caller | DecisionError) -> Result:
+        """One line answered as ``POST <endpoint>`` answers it, its usage recorded once it is final."""
+        item = orjson.loads(raw)
+        custom_id, document = item["custom_id"], item["body"]
+        ident = request_id(job.id, n)
+        if isinstance(caller, DecisionError):
+            status, body = route.early_error(caller, None)
+            return _result(n, ident, custom_id, status, body, None)
+        dialect = route.choose(document)
+        while True:
+            context = Context(ident, dialect.operation, dialect.name, caller, strict_model=dialect.strict_model,
+                              batch_id=job.id, record_id=record_id(job.id, n))
+            answer = await respond(self.gateway, dialect, context, document, None, {})
+            wait = _retry_after(answer.status, answer.headers)
+            if wait is not None and not self._stopping:
+                await asyncio.sleep(wait)
+                continue
+            self.gateway.record("batch", context, answer.status, answer.error_code, answer.result, document,
+                                answer.body)
+            return _result(n, ident, custom_id, answer.status, answer.body, answer.result)
+
+    async def _finalize(self, job: BatchJob) -> None:
+        """Write the output and error files in line order, then the batch's final state with them, at once."""
+        job = await self.store.batch(job.id) or job  # its counts as saved
+        source = await self.store.file(job.input_file_id)
+        now = int(self.clock())
+        state = "cancelled" if job.status == "cancelling" else "expired" if (
+            job.completed + job.failed < job.total and now >= job.expires_at) else "completed"
+        folder = self.store.folder
+        outputs = {"output": output_id(job.id, "output"), "error": output_id(job.id, "error")}
+        written = {kind: 0 for kind in outputs}
+        sizes = {kind: 0 for kind in outputs}
+        temporary = {kind: folder / f".{ident}.{self.name.replace(':', '_')}.tmp" for kind, ident in outputs.items()}
+        expired_lines = 0
+        handles = {kind: path.open("wb") for kind, path in temporary.items()}
+        try:
+            results = self.store.results(job.id)
+            upcoming = await anext(results, None)
+            lines = _lines(self.store.path(source)) if source is not None and state == "expired" else iter(())
+            for n, raw in lines:  # expired: the lines never answered go to the error file
+                while upcoming is not None and upcoming.line < n:
+                    sizes[_kind(upcoming.ok)] += _write(handles, upcoming.ok, upcoming.body, written)
+                    upcoming = await anext(results, None)
+                if upcoming is not None and upcoming.line == n:
+                    continue
+                expired_lines += 1
+                custom_id = orjson.loads(raw).get("custom_id")
+                sizes["error"] += _write(handles, False, {
+                    "id": request_id(job.id, n), "custom_id": custom_id, "response": None,
+                    "error": {"code": "batch_expired", "message": "This request could not be executed before the "
+                              "completion window expired."}}, written)
+            while upcoming is not None:
+                sizes[_kind(upcoming.ok)] += _write(handles, upcoming.ok, upcoming.body, written)
+                upcoming = await anext(results, None)
+        finally:
+            for handle in handles.values():
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+        files = []
+        for kind, ident in outputs.items():
+            if not written[kind]:
+                temporary[kind].unlink(missing_ok=True)
+                continue
+            temporary[kind].replace(folder / f"{ident}.jsonl")
+            files.append(StoredFile(id=ident, key_id=job.key_id, filename=f"batch_{job.id}_{kind}.jsonl",
+                                    purpose="batch_output", bytes=sizes[kind], lines=written[kind],
+                                    path=f"{ident}.jsonl", created_at=now, expires_at=None))
+        values: dict[str, Any] = {"status": state, f"{state}_at": now,
+                                  "output_file_id": outputs["output"] if written["output"] else None,
+                                  "error_file_id": outputs["error"] if written["error"] else None}
+        if expired_lines:
+            values["failed"] = job.failed + expired_lines
+        if not await self.store.finish(job.id, self.name, files, values):
+            raise Stopped()
+        log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": job.completed,
+                                                       "failed": values.get("failed", job.failed)})
+
+
+def _kind(ok: bool) -> str:
+    return "output" if ok else "error"
+
+
+def _write(handles: dict[str, Any], ok: bool, body: Any, written: dict[str, int]) -> int:
+    data = orjson.dumps(body) + b"\n"
+    handles[_kind(ok)].write(data)
+    written[_kind(ok)] += 1
+    return len(data)
+
+
+def _lines(path: Path) -> Any:
+    """(index, line) of each request line of a file (blank lines skipped; indices count every line)."""
+    with path.open("rb") as file:
+        for n, raw in enumerate(file):
+            if raw.strip():
+                yield n, raw
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as file:
+        return sum(1 for _ in file)
+
+
+def _retry_after(status: int, headers: dict[str, str]) -> float | None:
+    """How long a line waits before it is asked again: a rate limit's refusal (429), or a 503 that says when to
+    come back (the local engine's queue is full); None for an answer that stands."""
+    if status != 429 and not (status == 503 and ("retry-after" in headers or "retry-after-ms" in headers)):
+        return None
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is not None:
+            try:
+                return min(RETRY_MAX_S, max(0.01, float(value) * scale))
+            except ValueError:
+                pass
+    return RETRY_DEFAULT_S
+
+
+def _result(n: int, ident: str, custom_id: Any, status: int, body: Any, result: Any) -> Result:
+    usage = result.usage if isinstance(result, DecisionResult) else None
+    return Result(n, 200 <= status < 300, {"id": ident, "custom_id": custom_id, "response": {
+        "status_code": status, "request_id": ident, "body": body}, "error": None},
+        input_tokens=usage.input_tokens if usage else result.prompt_tokens if isinstance(result, ScoreResult) else 0,
+        cached_tokens=usage.cached_tokens if usage else 0, output_tokens=usage.output_tokens if usage else 0)

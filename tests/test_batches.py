@@ -1,0 +1,412 @@
+"""OpenAI's Files and Batch APIs for decisions, through real servers on loopback with the official ``openai`` SDK as
+the client: a fake OpenAI-shaped upstream answers the lines, SQLite holds the files' rows and the batches' progress.
+
+Guarantees, each with the test that would catch its breach:
+- every line of a batch runs the whole pipeline as the key that made it (its budgets, its rate limits, its usage
+  rows): ``test_a_budget_that_runs_out_at_line_30_fails_the_rest_with_402``,
+  ``test_a_batch_under_a_rate_limit_waits_for_it_and_fails_no_line``;
+- each line is answered once in the output and leaves one usage row, charged once, even when the server is killed
+  mid-batch: ``test_sigkill_at_line_20_of_100_then_restart_answers_each_line_once``;
+- memory stays bounded whatever the file's size: ``test_a_100000_line_batch_runs_in_bounded_memory``;
+- a key sees only its own files and batches: ``test_a_key_sees_only_its_own_files_and_batches``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import upstreams
+from servers import start_decisiond
+
+MASTER = "batch-master-key-0123456789"
+ALICE = "batch-alice-key-0123456789"
+BOB = "batch-bob-key-0123456789abc"
+QUESTION = {"type": "predicate", "name": "billing", "instructions": "Is this about billing?"}
+
+CONFIG = """
+auth:
+  master_key: "{master}"
+  keys:
+    - {{name: alice, key: "{alice}", user_path: /team/a}}
+    - {{name: bob, key: "{bob}", user_path: /team/b, rate_limits: {{requests_per_second: 4}}}}
+database_url: "sqlite:///{database}"
+providers:
+  - {{name: openai, type: openai, base_url: "{upstream}/v1", api_key: sk-test, pricing: {{per_request: 0.01}}}}
+models:
+  - {{name: luna, provider: openai, upstream: gpt-6-luna}}
+  - {{name: metered, provider: openai, upstream: gpt-6-luna}}
+budgets:
+  - {{model: metered, limit_usd: 0.30, period: daily}}
+batches:
+  concurrency: {concurrency}
+  lease_s: 5
+  max_file_bytes: {max_file_bytes}
+"""
+
+
+def write_config(folder: Path, upstream: str, concurrency: int = 4, max_file_bytes: int = 200 * 1024 * 1024) -> Path:
+    config = folder / "gateway.yaml"
+    config.write_text(CONFIG.format(master=MASTER, alice=ALICE, bob=BOB, database=folder / "gw.sqlite3",
+                                    upstream=upstream, concurrency=concurrency, max_file_bytes=max_file_bytes))
+    return config
+
+
+def line(custom_id: str, model: str = "luna", text: str | None = None, questions: list | None = None,
+         url: str = "/v1/decisions") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": model, "input": text or f"ticket {custom_id}: I was charged twice",
+                     "questions": questions or [QUESTION]}}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(item).encode() + b"\n" for item in lines)
+
+
+def client(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def wait_for(sdk: openai.OpenAI, batch_id: str, statuses=("completed", "failed", "cancelled", "expired"),
+             timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = sdk.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} is still {batch.status}")
+
+
+def read_lines(sdk: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in sdk.files.content(file_id).text.splitlines() if x.strip()]
+
+
+def usage_rows(database: Path, batch_id: str) -> list[tuple]:
+    with sqlite3.connect(database) as connection:
+        return connection.execute("SELECT request_id, status, cost, request_type, key_id FROM usage "
+                                  "WHERE batch_id = ? ORDER BY request_id", (batch_id,)).fetchall()
+
+
+def wait_for_rows(database: Path, batch_id: str, count: int, timeout: float = 30.0) -> list[tuple]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = usage_rows(database, batch_id)
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    up = upstreams.openai_server()
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batches")
+    server = start_decisiond("--config", str(write_config(folder, upstream.url, max_file_bytes=1024 * 1024)))
+    server.database = folder / "gw.sqlite3"
+    yield server
+    server.stop()
+
+
+def test_a_round_trip_of_50_lines_with_a_bad_one_answers_the_rest(gateway):
+    sdk = client(gateway, ALICE)
+    lines = [line(f"ticket-{i}") for i in range(50)]
+    lines[17]["body"]["questions"] = [{"type": "predicate", "name": "billing"}]  # no instructions
+    uploaded = sdk.files.create(file=("tickets.jsonl", jsonl(lines)), purpose="batch")
+    assert (uploaded.object, uploaded.purpose, uploaded.filename) == ("file", "batch", "tickets.jsonl")
+    assert uploaded.bytes == len(jsonl(lines))
+    assert sdk.files.retrieve(uploaded.id).id == uploaded.id
+    assert sdk.files.content(uploaded.id).content == jsonl(lines)
+
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h",
+                               metadata={"run": "nightly"})
+    assert batch.status == "validating" and batch.request_counts.total == 50
+    assert batch.metadata == {"run": "nightly"}
+    done = wait_for(sdk, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (50, 49, 1)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+
+    output = read_lines(sdk, done.output_file_id)
+    errors = read_lines(sdk, done.error_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(f"ticket-{i}" for i in range(50) if i != 17)
+    for item in output:
+        response = item["response"]
+        assert response["status_code"] == 200 and item["error"] is None
+        assert response["body"]["answers"][0]["name"] == "billing"
+        assert response["body"]["answers"][0]["probability"] == pytest.approx(0.7)
+    assert [e["custom_id"] for e in errors] == ["ticket-17"]
+    error = errors[0]["response"]
+    assert error["status_code"] == 400
+    assert error["body"]["error"]["param"] == "questions[0].instructions"
+    assert sdk.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    rows = wait_for_rows(gateway.database, batch.id, 50)
+    assert len(rows) == 50 and len({r[0] for r in rows}) == 50
+    assert {r[3] for r in rows} == {"batch"} and {r[4] for r in rows} == {"static:alice"}
+    assert sorted(r[1] for r in rows) == [200] * 49 + [400]
+    ids = {item["id"] for item in output + errors}
+    assert ids == {r[0] for r in rows}  # each output line names the usage row of its request
+    assert done.usage.input_tokens == 49 * 50
+
+    listed = sdk.batches.list(limit=100)
+    assert batch.id in [b.id for b in listed.data]
+    assert sdk.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(uploaded.id)
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/decisions", "body": {}}\nnot json\n', "line 2 of the file: not valid JSON"),
+    (jsonl([line("a"), line("b"), line("a")]), "line 3 of the file: custom_id 'a' is already used on line 1"),
+    (jsonl([line("a", url="/v1/chat/completions")]), "line 1 of the file: url must be one of"),
+    (jsonl([{**line("a"), "method": "GET"}]), "line 1 of the file: method must be 'POST'"),
+    (jsonl([{**line("a"), "body": "ask"}]), "line 1 of the file: body must be a JSON object"),
+    (b"\n\n", "the file has no request lines"),
+])
+def test_a_file_with_a_bad_line_is_refused_naming_the_line(gateway, content, reason):
+    sdk = client(gateway, ALICE)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.files.create(file=("bad.jsonl", content), purpose="batch")
+    assert refused.value.body["param"] == "file"
+    assert reason in refused.value.body["message"]
+
+
+def test_uploads_are_bounded_and_batches_checked(gateway):
+    sdk = client(gateway, ALICE)
+    big = jsonl([line(f"t{i}", text="x" * 1000) for i in range(1200)])  # over the 1 MiB limit of this server
+    with pytest.raises(openai.APIStatusError) as refused:
+        sdk.files.create(file=("big.jsonl", big), purpose="batch")
+    assert refused.value.status_code == 413
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.files.create(file=("a.jsonl", jsonl([line("a")])), purpose="fine-tune")
+    assert refused.value.body["param"] == "purpose"
+    uploaded = sdk.files.create(file=("a.jsonl", jsonl([line("a")])), purpose="batch")
+    for fields, param in [({"endpoint": "/v1/chat/completions"}, "endpoint"),
+                          ({"completion_window": "1h"}, "completion_window"),
+                          ({"input_file_id": "file-nope"}, "input_file_id")]:
+        arguments = {"input_file_id": uploaded.id, "endpoint": "/v1/decisions", "completion_window": "24h",
+                     **fields}
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.batches.create(**arguments)
+        assert refused.value.body["param"] == param
+
+
+def test_lines_for_another_endpoint_fail_the_batch_naming_them(gateway):
+    sdk = client(gateway, ALICE)
+    lines = [line("a"), line("b", url="/v1/score"), line("c")]
+    uploaded = sdk.files.create(file=("mixed.jsonl", jsonl(lines)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+    done = wait_for(sdk, batch.id)
+    assert done.status == "failed" and done.failed_at
+    assert [(e.line, e.param, e.code) for e in done.errors.data] == [(2, "url", "invalid_url")]
+
+
+def test_a_key_sees_only_its_own_files_and_batches(gateway):
+    alice, bob, master = client(gateway, ALICE), client(gateway, BOB), client(gateway, MASTER)
+    uploaded = alice.files.create(file=("mine.jsonl", jsonl([line("a")])), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+    for call in (lambda: bob.files.retrieve(uploaded.id), lambda: bob.files.content(uploaded.id),
+                 lambda: bob.files.delete(uploaded.id), lambda: bob.batches.retrieve(batch.id),
+                 lambda: bob.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError) as refused:  # nor may it run a batch on it
+        bob.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+    assert refused.value.body["param"] == "input_file_id"
+    assert uploaded.id not in [f.id for f in bob.files.list()]
+    assert batch.id not in [b.id for b in bob.batches.list()]
+    assert master.files.retrieve(uploaded.id).id == uploaded.id
+    assert batch.id in [b.id for b in master.batches.list(limit=100)]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="wrong-key-0123456789", max_retries=0).files.list()
+    wait_for(alice, batch.id)
+
+
+def test_a_budget_that_runs_out_at_line_30_fails_the_rest_with_402(gateway):
+    """The model's budget has room for 30 requests at 0.01 USD: lines 31 to 50 are error lines with the 402 body,
+    and the batch goes on to the end."""
+    sdk = client(gateway, ALICE)
+    uploaded = sdk.files.create(file=("metered.jsonl", jsonl([line(f"m{i}", model="metered") for i in range(50)])),
+                                purpose="batch")
+    done = wait_for(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions",
+                                            completion_window="24h").id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (30, 20)
+    errors = read_lines(sdk, done.error_file_id)
+    assert len(errors) == 20
+    assert {e["response"]["status_code"] for e in errors} == {402}
+    assert {e["response"]["body"]["error"]["code"] for e in errors} == {"budget_exceeded"}
+    rows = wait_for_rows(gateway.database, done.id, 50)
+    assert round(sum(r[2] for r in rows), 6) == 0.30
+
+
+def test_a_batch_under_a_rate_limit_waits_for_it_and_fails_no_line(gateway):
+    """Bob may send 4 requests a second: a batch of 12 takes what the limit leaves and waits out each refusal."""
+    sdk = client(gateway, BOB)
+    uploaded = sdk.files.create(file=("bob.jsonl", jsonl([line(f"b{i}") for i in range(12)])), purpose="batch")
+    done = wait_for(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions",
+                                            completion_window="24h").id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 12, 0)
+    rows = wait_for_rows(gateway.database, done.id, 12)
+    assert sorted(r[1] for r in rows) == [200] * 12  # no refusal left a row
+
+
+def test_a_score_batch_line_is_answered_in_the_score_routes_shape(gateway):
+    sdk = client(gateway, ALICE)
+    lines = [{"custom_id": "s", "method": "POST", "url": "/v1/score",
+              "body": {"model": "luna", "query": "Is this about billing?", "items": ["yes", "no"]}}]
+    uploaded = sdk.files.create(file=("score.jsonl", jsonl(lines)), purpose="batch")
+    done = wait_for(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/score",
+                                            completion_window="24h").id)
+    assert done.status == "completed"
+    [answer] = read_lines(sdk, done.output_file_id or done.error_file_id)
+    assert answer["custom_id"] == "s"
+    # The line is answered as POST /v1/score answers it: here SGLang's ErrorResponse, naming the missing field.
+    assert answer["response"]["status_code"] == 400
+    assert answer["response"]["body"]["object"] == "error"
+    assert answer["response"]["body"]["param"] == "label_token_ids"
+
+
+class Gate:
+    """An upstream whose answers wait until the test opens the gate: the test, not the machine's speed, says when
+    lines are answered. ``seen`` counts the requests that arrived."""
+
+    def __init__(self, open_first: int = 0):
+        self.inner = upstreams.openai_server()
+        self.opened = threading.Event()
+        self.count = 0
+        self.open_first = open_first
+        self.arrived = threading.Condition()
+        self.upstream = upstreams.Upstream(self.handle).start()
+
+    def handle(self, seen):
+        with self.arrived:
+            self.count += 1
+            n = self.count
+            self.arrived.notify_all()
+        if n > self.open_first:
+            self.opened.wait(120)
+        return self.inner.handler(seen)
+
+    def wait_for(self, count: int, timeout: float = 120.0) -> None:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: self.count >= count, timeout), self.count
+
+    def stop(self) -> None:
+        self.opened.set()
+        self.upstream.stop()
+        self.inner.stop()
+
+
+def test_cancel_stops_the_batch_and_keeps_what_was_answered(tmp_path):
+    gate = Gate(open_first=5)
+    server = start_decisiond("--config", str(write_config(tmp_path, gate.upstream.url, concurrency=2)))
+    try:
+        sdk = client(server, ALICE)
+        uploaded = sdk.files.create(file=("c.jsonl", jsonl([line(f"c{i}") for i in range(40)])), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+        gate.wait_for(7)  # 5 answered, 2 held at the upstream
+        cancelling = sdk.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        gate.opened.set()
+        done = wait_for(sdk, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at
+        output = read_lines(sdk, done.output_file_id)
+        assert 5 <= len(output) == done.request_counts.completed < 40
+        assert gate.count < 40
+        with pytest.raises(openai.APIStatusError) as refused:
+            sdk.batches.cancel(batch.id)
+        assert refused.value.status_code == 409
+    finally:
+        server.stop()
+        gate.stop()
+
+
+def test_sigkill_at_line_20_of_100_then_restart_answers_each_line_once(tmp_path):
+    """The server is killed while line 21 is at the upstream (20 answered); a new server on the same database takes
+    the batch up: 100 answers in the output, 100 usage rows, each line's cost charged once to its budget."""
+    gate = Gate(open_first=20)
+    config = write_config(tmp_path, gate.upstream.url, concurrency=1)
+    database = tmp_path / "gw.sqlite3"
+    text = config.read_text().replace("limit_usd: 0.30", "limit_usd: 100")
+    config.write_text(text)
+    server = start_decisiond("--config", str(config))
+    try:
+        sdk = client(server, ALICE)
+        uploaded = sdk.files.create(file=("k.jsonl", jsonl([line(f"k{i}", model="metered") for i in range(100)])),
+                                    purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+        gate.wait_for(21)
+        server.process.kill()
+        server.process.wait(30)
+    finally:
+        server.stop()
+    gate.opened.set()
+    server = start_decisiond("--config", str(config))
+    try:
+        sdk = client(server, ALICE)
+        done = wait_for(sdk, batch.id)
+        assert done.status == "completed"
+        assert (done.request_counts.completed, done.request_counts.failed) == (100, 0)
+        output = read_lines(sdk, done.output_file_id)
+        assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(100))
+        rows = wait_for_rows(database, batch.id, 100)
+        assert len(rows) == 100 and len({r[0] for r in rows}) == 100
+        assert gate.count >= 100
+        spend = httpx.get(server.url + "/admin/budgets", headers={"Authorization": f"Bearer {MASTER}"}).json()
+        [metered] = [b for b in spend["data"] if b.get("model") == "metered"]
+        assert round(metered["spent_usd"], 6) == 1.0  # 100 lines at 0.01, none charged twice
+    finally:
+        server.stop()
+        gate.stop()
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for text in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if text.startswith("VmHWM:"):
+            return int(text.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_100000_line_batch_runs_in_bounded_memory(tmp_path, upstream):
+    """100,000 lines (about 20 MB; the lines repeat a few bodies, so the exact cache answers most of them): the
+    server's peak resident memory grows by far less than the file's lines would take in memory."""
+    config = write_config(tmp_path, upstream.url, concurrency=16)
+    server = start_decisiond("--config", str(config))
+    try:
+        sdk = client(server, ALICE)
+        warm = sdk.files.create(file=("w.jsonl", jsonl([line(f"w{i}", text=f"ticket {i % 10}") for i in range(200)])),
+                                purpose="batch")
+        wait_for(sdk, sdk.batches.create(input_file_id=warm.id, endpoint="/v1/decisions", completion_window="24h").id)
+        before = _peak_rss_kib(server.process.pid)
+        count = 100_000
+        content = jsonl([line(f"line-{i:06d}", text=f"ticket {i % 10}") for i in range(count)])
+        uploaded = sdk.files.create(file=("big.jsonl", content), purpose="batch")
+        del content
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+        done = wait_for(sdk, batch.id, timeout=1500)
+        assert (done.status, done.request_counts.completed) == ("completed", count)
+        seen = 0
+        with httpx.stream("GET", f"{server.url}/v1/files/{done.output_file_id}/content",
+                          headers={"Authorization": f"Bearer {ALICE}"}, timeout=120) as response:
+            for text in response.iter_lines():
+                seen += bool(text.strip())
+        assert seen == count
+        grown_mib = (_peak_rss_kib(server.process.pid) - before) / 1024
+        assert grown_mib < 150, grown_mib
+    finally:
+        server.stop()
