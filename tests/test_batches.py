@@ -41,6 +41,7 @@ providers:
   - {{name: openai, type: openai, base_url: "{upstream}/v1", api_key: sk-test, pricing: {{per_request: 0.01}}}}
 models:
   - {{name: luna, provider: openai, upstream: gpt-6-luna}}
+  - {{name: luna-cached, provider: openai, upstream: gpt-6-luna, cache: true}}
   - {{name: metered, provider: openai, upstream: gpt-6-luna}}
 budgets:
   - {{model: metered, limit_usd: 0.30, period: daily}}
@@ -389,12 +390,12 @@ def test_a_100000_line_batch_runs_in_bounded_memory(tmp_path, upstream):
     server = start_decisiond("--config", str(config))
     try:
         sdk = client(server, ALICE)
-        warm = sdk.files.create(file=("w.jsonl", jsonl([line(f"w{i}", text=f"ticket {i % 10}") for i in range(200)])),
-                                purpose="batch")
+        warm = sdk.files.create(file=("w.jsonl", jsonl([line(f"w{i}", "luna-cached", f"ticket {i % 10}")
+                                                         for i in range(200)])), purpose="batch")
         wait_for(sdk, sdk.batches.create(input_file_id=warm.id, endpoint="/v1/decisions", completion_window="24h").id)
         before = _peak_rss_kib(server.process.pid)
         count = 100_000
-        content = jsonl([line(f"line-{i:06d}", text=f"ticket {i % 10}") for i in range(count)])
+        content = jsonl([line(f"line-{i:06d}", "luna-cached", f"ticket {i % 10}") for i in range(count)])
         uploaded = sdk.files.create(file=("big.jsonl", content), purpose="batch")
         del content
         batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
@@ -407,6 +408,100 @@ def test_a_100000_line_batch_runs_in_bounded_memory(tmp_path, upstream):
                 seen += bool(text.strip())
         assert seen == count
         grown_mib = (_peak_rss_kib(server.process.pid) - before) / 1024
-        assert grown_mib < 150, grown_mib
+        assert grown_mib < 80, grown_mib
+    finally:
+        server.stop()
+
+
+def test_a_batch_past_its_window_expires_with_its_unanswered_lines_as_errors(tmp_path):
+    """In one process, on a clock the test moves: 3 of 10 lines are answered, then the 24 h window passes while the
+    rest wait at the upstream; the batch is ``expired``, its 3 answers in the output and the 7 others in the error
+    file as ``batch_expired``."""
+    import asyncio
+
+    from decisiond.gateway.config import load
+    from decisiond.gateway.router import Router
+    from decisiond.gateway.service import Gateway
+    from decisiond.server.batch_runner import BatchRunner
+    from decisiond.store.batches import BatchStore
+    from decisiond.store.tables import BatchJob, StoredFile
+
+    gate = Gate(open_first=3)
+    config = load(write_config(tmp_path, gate.upstream.url, concurrency=1))
+    now = [1_000_000.0]
+
+    async def scenario():
+        gateway = Gateway(Router.from_config(config, {}), config)
+        await gateway.start()
+        store = BatchStore(gateway.db, tmp_path / "files")
+        runner = BatchRunner(gateway, store, config.batches, clock=lambda: now[0])
+        store.folder.mkdir()
+        (store.folder / "in.jsonl").write_bytes(jsonl([line(f"e{i}") for i in range(10)]))
+        await store.add_file(StoredFile(id="file-in", key_id=None, filename="in.jsonl", purpose="batch", bytes=1,
+                                        lines=10, path="in.jsonl", created_at=int(now[0]), expires_at=None))
+        await store.add_batch(BatchJob(
+            id="batch_x", key_id="static:alice", user_path="/team/a", master=False, input_file_id="file-in",
+            endpoint="/v1/decisions", completion_window="24h", status="validating", total=10, completed=0,
+            failed=0, input_tokens=0, cached_tokens=0, output_tokens=0, next_line=0, created_at=int(now[0]),
+            expires_at=int(now[0]) + 86400))
+        runner.start()
+        try:
+            await asyncio.to_thread(gate.wait_for, 4)  # 3 answered, the 4th held at the upstream
+            now[0] += 86400
+            gate.opened.set()
+            for _ in range(600):
+                batch = await store.batch("batch_x")
+                if batch.status == "expired":
+                    break
+                await asyncio.sleep(0.1)
+            assert batch.status == "expired" and batch.expired_at == int(now[0])
+            output = [json.loads(x) for x in (store.folder / f"{batch.output_file_id}.jsonl").read_text().splitlines()]
+            errors = [json.loads(x) for x in (store.folder / f"{batch.error_file_id}.jsonl").read_text().splitlines()]
+            assert [o["custom_id"] for o in output] == ["e0", "e1", "e2", "e3"]
+            assert [e["custom_id"] for e in errors] == [f"e{i}" for i in range(4, 10)]
+            assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+            assert (batch.completed, batch.failed) == (4, 6)
+        finally:
+            await runner.aclose()
+            await gateway.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.stop()
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "_total{"))
+
+
+def test_lines_on_a_local_model_share_their_input_and_answer_as_the_route_does(tiny_dir, tmp_path):
+    """Six lines asking about one document on a local model: each answer is the one ``POST /v1/decisions`` gives
+    for its body, and the document is computed about once, not six times (prefix sharing and the prefix cache)."""
+    database = tmp_path / "local.sqlite3"
+    server = start_decisiond("--model", tiny_dir, "--served-model-name", "tiny",
+                             env={"DECISIOND_DATABASE_URL": f"sqlite:///{database}"})
+    try:
+        document = "Order 1234 was charged twice and the customer asks for a refund. " * 12
+        questions = [{"type": "predicate", "name": f"q{i}", "instructions": f"Is point {i} raised?"}
+                     for i in range(6)]
+        lines = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/decisions",
+                  "body": {"model": "tiny", "input": document, "questions": [questions[i]]}} for i in range(6)]
+        sdk = client(server, "none")
+        requested, computed = _metric(server, "decisiond_engine_tokens_requested"), _metric(
+            server, "decisiond_engine_tokens_computed")
+        uploaded = sdk.files.create(file=("local.jsonl", jsonl(lines)), purpose="batch")
+        done = wait_for(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions",
+                                                completion_window="24h").id)
+        assert (done.status, done.request_counts.completed) == ("completed", 6)
+        requested = _metric(server, "decisiond_engine_tokens_requested") - requested
+        computed = _metric(server, "decisiond_engine_tokens_computed") - computed
+        assert requested > 6 * 100 and computed < requested / 2, (requested, computed)
+        for item in read_lines(sdk, done.output_file_id):
+            body = lines[int(item["custom_id"][1:])]["body"]
+            direct = httpx.post(server.url + "/v1/decisions", json=body, timeout=120).json()
+            answer = item["response"]["body"]["answers"][0]
+            assert answer["probability"] == pytest.approx(direct["answers"][0]["probability"], abs=1e-5)
     finally:
         server.stop()

@@ -241,10 +241,27 @@ class BatchRunner:
                 raise Stopped()
             status = saved
 
+        # Lines that ask about one input: the first is answered alone, and the others once it is, so that the engine
+        # computes the input once and takes it from its prefix cache for them (packed together, each would compute
+        # it again). Keyed by the body without its questions; only inputs with a line in flight are remembered.
+        first: dict[bytes, asyncio.Future[None]] = {}
+
         async def answer(n: int, raw: bytes, caller: Caller | DecisionError) -> None:
+            item = orjson.loads(raw)
+            key = _input_key(item["body"])
+            mine: asyncio.Future[None] | None = None
             try:
-                answered.append(await self._line(job, route, n, raw, caller))
+                if key is not None:
+                    ahead = first.get(key)
+                    if ahead is None:
+                        first[key] = mine = asyncio.get_running_loop().create_future()
+                    else:
+                        await asyncio.shield(ahead)
+                answered.append(await self._line(job, route, n, item, caller))
             finally:
+                if mine is not None:
+                    mine.set_result(None)
+                    first.pop(key, None)  # type: ignore[arg-type]
                 pending.discard(n)
                 slots.release()
 
@@ -288,10 +305,9 @@ class BatchRunner:
             return await self._set(job, status="finalizing", finalizing_at=int(self.clock()))
         return job
 
-    async def _line(self, job: BatchJob, route: DecisionRoute, n: int, raw: bytes,
+    async def _line(self, job: BatchJob, route: DecisionRoute, n: int, item: dict[str, Any],
                     caller: Caller | DecisionError) -> Result:
         """One line answered as ``POST <endpoint>`` answers it, its usage recorded once it is final."""
-        item = orjson.loads(raw)
         custom_id, document = item["custom_id"], item["body"]
         ident = request_id(job.id, n)
         if isinstance(caller, DecisionError):
@@ -366,6 +382,16 @@ class BatchRunner:
             raise Stopped()
         log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": job.completed,
                                                        "failed": values.get("failed", job.failed)})
+
+
+def _input_key(body: dict[str, Any]) -> bytes | None:
+    """What a decision line asks about: its body without its questions (None for a body without questions)."""
+    if "questions" not in body:
+        return None
+    try:
+        return orjson.dumps({k: v for k, v in body.items() if k != "questions"}, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return None
 
 
 def _kind(ok: bool) -> str:
