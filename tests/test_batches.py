@@ -476,32 +476,50 @@ def _metric(server, name: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "_total{"))
 
 
-def test_lines_on_a_local_model_share_their_input_and_answer_as_the_route_does(tiny_dir, tmp_path):
-    """Six lines asking about one document on a local model: each answer is the one ``POST /v1/decisions`` gives
-    for its body, and the document is computed about once, not six times (prefix sharing and the prefix cache)."""
-    database = tmp_path / "local.sqlite3"
+@pytest.fixture(scope="module")
+def local_server(tiny_dir, tmp_path_factory):
+    """The tiny random model served with a database (the Batch API needs one), without keys."""
+    database = tmp_path_factory.mktemp("local") / "local.sqlite3"
     server = start_decisiond("--model", tiny_dir, "--served-model-name", "tiny",
                              env={"DECISIOND_DATABASE_URL": f"sqlite:///{database}"})
-    try:
-        document = "Order 1234 was charged twice and the customer asks for a refund. " * 12
-        questions = [{"type": "predicate", "name": f"q{i}", "instructions": f"Is point {i} raised?"}
-                     for i in range(6)]
-        lines = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/decisions",
-                  "body": {"model": "tiny", "input": document, "questions": [questions[i]]}} for i in range(6)]
-        sdk = client(server, "none")
-        requested, computed = _metric(server, "decisiond_engine_tokens_requested"), _metric(
-            server, "decisiond_engine_tokens_computed")
-        uploaded = sdk.files.create(file=("local.jsonl", jsonl(lines)), purpose="batch")
-        done = wait_for(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions",
-                                                completion_window="24h").id)
-        assert (done.status, done.request_counts.completed) == ("completed", 6)
-        requested = _metric(server, "decisiond_engine_tokens_requested") - requested
-        computed = _metric(server, "decisiond_engine_tokens_computed") - computed
-        assert requested > 6 * 100 and computed < requested / 2, (requested, computed)
-        for item in read_lines(sdk, done.output_file_id):
-            body = lines[int(item["custom_id"][1:])]["body"]
-            direct = httpx.post(server.url + "/v1/decisions", json=body, timeout=120).json()
-            answer = item["response"]["body"]["answers"][0]
-            assert answer["probability"] == pytest.approx(direct["answers"][0]["probability"], abs=1e-5)
-    finally:
-        server.stop()
+    yield server
+    server.stop()
+
+
+def test_the_guides_batch_api_example_runs(local_server, tmp_path):
+    import subprocess
+    import sys
+
+    from test_docs import DOCS, _against, _env, blocks
+
+    [block] = [b for b in blocks(DOCS / "guides" / "batch.md") if "client.batches.create" in b.text]
+    done = subprocess.run([sys.executable, "-c", _against(local_server.url, block.text)], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [x.split()[0] for x in done.stdout.splitlines()] == ["ticket-0", "ticket-1"]
+
+
+def test_lines_on_a_local_model_share_their_input_and_answer_as_the_route_does(local_server):
+    """Six lines asking about one document on a local model: each answer is the one ``POST /v1/decisions`` gives
+    for its body, and the document is computed about once, not six times (prefix sharing and the prefix cache)."""
+    server = local_server
+    document = "Order 1234 was charged twice and the customer asks for a refund. " * 12
+    questions = [{"type": "predicate", "name": f"q{i}", "instructions": f"Is point {i} raised?"}
+                 for i in range(6)]
+    lines = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/decisions",
+              "body": {"model": "tiny", "input": document, "questions": [questions[i]]}} for i in range(6)]
+    sdk = client(server, "none")
+    requested, computed = _metric(server, "decisiond_engine_tokens_requested"), _metric(
+        server, "decisiond_engine_tokens_computed")
+    uploaded = sdk.files.create(file=("local.jsonl", jsonl(lines)), purpose="batch")
+    done = wait_for(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions",
+                                            completion_window="24h").id)
+    assert (done.status, done.request_counts.completed) == ("completed", 6)
+    requested = _metric(server, "decisiond_engine_tokens_requested") - requested
+    computed = _metric(server, "decisiond_engine_tokens_computed") - computed
+    assert requested > 6 * 100 and computed < requested / 2, (requested, computed)
+    for item in read_lines(sdk, done.output_file_id):
+        body = lines[int(item["custom_id"][1:])]["body"]
+        direct = httpx.post(server.url + "/v1/decisions", json=body, timeout=120).json()
+        answer = item["response"]["body"]["answers"][0]
+        assert answer["probability"] == pytest.approx(direct["answers"][0]["probability"], abs=1e-5)
