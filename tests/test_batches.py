@@ -523,3 +523,45 @@ def test_lines_on_a_local_model_share_their_input_and_answer_as_the_route_does(l
         direct = httpx.post(server.url + "/v1/decisions", json=body, timeout=120).json()
         answer = item["response"]["body"]["answers"][0]
         assert answer["probability"] == pytest.approx(direct["answers"][0]["probability"], abs=1e-5)
+
+
+def test_two_replicas_on_postgres_run_a_batch_once_and_take_it_over_when_one_dies(tmp_path):
+    """Replica A runs a batch of 60 lines on PostgreSQL and is killed with line 21 at the upstream; replica B, on
+    the same database and files folder, takes the batch over: 60 answers, 60 usage rows, none twice."""
+    from services import start_postgres
+
+    postgres = start_postgres()
+    gate = Gate(open_first=20)
+    config = write_config(tmp_path, gate.upstream.url, concurrency=1)
+    config.write_text(config.read_text().replace(f"sqlite:///{tmp_path / 'gw.sqlite3'}", postgres.url)
+                      + f"  files_path: {tmp_path / 'files'}\n")
+    a = start_decisiond("--config", str(config))
+    b = None
+    try:
+        sdk = client(a, ALICE)
+        uploaded = sdk.files.create(file=("r.jsonl", jsonl([line(f"r{i}") for i in range(60)])), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+        gate.wait_for(21)
+        b = start_decisiond("--config", str(config))
+        a.process.kill()
+        a.process.wait(30)
+        gate.opened.set()
+        sdk = client(b, ALICE)
+        done = wait_for(sdk, batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 60, 0)
+        assert sorted(o["custom_id"] for o in read_lines(sdk, done.output_file_id)) == sorted(
+            f"r{i}" for i in range(60))
+        deadline = time.monotonic() + 30
+        while True:
+            rows = httpx.get(b.url + "/admin/audit", params={"batch": batch.id, "limit": 1000},
+                             headers={"Authorization": f"Bearer {MASTER}"}).json()["data"]
+            if len(rows) >= 60 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert len(rows) == 60 and len({r["request_id"] for r in rows}) == 60
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+        gate.stop()
+        postgres.remove()

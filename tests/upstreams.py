@@ -81,7 +81,10 @@ class Upstream:
                 for k, v in headers.items():
                     self.send_header(k, v)
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the caller has gone (a test killed it)
+                    self.close_connection = True
 
         self.server = Listening(("127.0.0.1", 0), Handle)
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()  # stop() waits one poll

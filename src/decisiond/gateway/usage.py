@@ -104,6 +104,7 @@ class UsageFilter:
     model: str | None = None
     provider: str | None = None
     status: int | None = None
+    batch_id: str | None = None
 
     def where(self) -> list[ColumnElement[bool]]:
         clauses: list[ColumnElement[bool]] = []
@@ -125,6 +126,8 @@ class UsageFilter:
             clauses.append(UsageRow.provider == self.provider)
         if self.status is not None:
             clauses.append(UsageRow.status == self.status)
+        if self.batch_id is not None:
+            clauses.append(UsageRow.batch_id == self.batch_id)
         return clauses
 
 

@@ -7,8 +7,8 @@
 - ``DELETE /admin/keys/{id}`` → the revoked record;
 - ``GET /admin/usage/summary`` and ``GET /admin/usage/daily`` ``?group_by=key,user_path,model,provider,request_type
   &start=&end=`` (ISO dates or times, UTC; plus the audit filters) → totals of requests, tokens and cost;
-- ``GET /admin/audit`` ``?request_type=&key=&user_path=&model=&provider=&status=&start=&end=&limit=&before_id=`` →
-  usage rows newest first, a page at a time (``next_before_id``);
+- ``GET /admin/audit`` ``?request_type=&key=&user_path=&model=&provider=&status=&batch=&start=&end=&limit=
+  &before_id=`` → usage rows newest first, a page at a time (``next_before_id``);
 - ``GET /admin/budgets`` (with each one's spend this period), ``PUT /admin/budgets`` ``{key | user_path | model,
   limit_usd, period | period_seconds}`` (the same scope and period replace the limit), ``DELETE /admin/budgets/{id}``.
 
@@ -195,7 +195,7 @@ def _filter(params: Any) -> usage.UsageFilter:
     return usage.UsageFilter(start=_time(params, "start"), end=_time(params, "end", end=True),
                              request_type=request_type, key_id=params.get("key"), user_path=user_path,
                              model=params.get("model"), provider=params.get("provider"),
-                             status=int(status) if status is not None else None)
+                             status=int(status) if status is not None else None, batch_id=params.get("batch"))
 
 
 def _group_by(params: Any) -> list[str]:

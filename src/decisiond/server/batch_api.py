@@ -19,7 +19,6 @@ import asyncio
 import os
 import secrets
 import sqlite3
-import tempfile
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -259,7 +258,7 @@ def _check_and_copy(source: IO[bytes], folder: Path, name: str, max_line_bytes: 
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / name
     partial = folder / f".{name}.part"
-    seen_path = tempfile.mktemp(prefix=".custom-ids-", dir=folder)
+    seen_path = folder / f".custom-ids-{secrets.token_hex(8)}.sqlite3"
     seen = sqlite3.connect(seen_path)
     size = lines = 0
     try:
@@ -297,7 +296,7 @@ def _check_and_copy(source: IO[bytes], folder: Path, name: str, max_line_bytes: 
         return size, lines
     finally:
         seen.close()
-        Path(seen_path).unlink(missing_ok=True)
+        seen_path.unlink(missing_ok=True)
         partial.unlink(missing_ok=True)
 
 

@@ -8,9 +8,11 @@ A process's ``BatchRunner`` claims active batches no live process holds (``store
   line at fault (``errors``); then ``in_progress``;
 - ``in_progress``: lines are read from the file one at a time and answered ``batches.concurrency`` at once, in
   the route's own dialect, exactly as ``POST <endpoint>`` answers them (``routes.respond``), each leaving its usage
-  row (request type ``batch``, the batch's id). A line refused by a rate limit waits as the refusal says and is asked
-  again: a batch takes what the limits leave to interactive traffic. Any other refusal (a budget's 402, a
-  guardrail's block, a bad body) is the line's answer, in the error file, and the batch goes on;
+  row (request type ``batch``, the batch's id). Of lines that ask about one input, the first is answered before the
+  others start, so that a local engine computes the input once (its prefix cache). A line refused by a rate limit
+  (or by a full engine queue: 503 with a retry-after) waits as the refusal says and is asked again: a batch takes
+  what the limits leave to interactive traffic. Any other refusal (a budget's 402, a guardrail's block, a bad body)
+  is the line's answer, in the error file, and the batch goes on;
 - ``finalizing``: the output and error files are written in line order from the stored answers, then the batch is
   ``completed`` (or ``cancelled``, or ``expired`` — its unanswered lines then in the error file as
   ``batch_expired``) in the transaction that records them.
@@ -32,9 +34,10 @@ import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -46,6 +49,7 @@ from ..gateway.types import Caller, Context
 from ..limits import BATCH_FLUSH_LINES, BATCH_FLUSH_S, BATCH_MAX_ERRORS, BATCH_POLL_S
 from ..store.batches import BatchStore, Result, runner_name
 from ..store.tables import BatchJob, StoredFile
+from .middleware import INTERNAL_ERROR
 from .routes import ROUTES, DecisionRoute, respond
 
 log = logging.getLogger("decisiond.batches")
@@ -57,6 +61,10 @@ RETRY_DEFAULT_S = 1.0
 RETRY_MAX_S = 60.0
 # How often a running batch reads its key again (a revoked key's lines are refused from then on).
 CALLER_CHECK_S = 5.0
+# Inputs a running batch remembers as computed (``_answer``).
+WARM_INPUTS = 4096
+# How often files past their expires_at are deleted.
+FILE_EXPIRY_SCAN_S = 60.0
 # How long a stopping runner lets the lines in flight finish before it cancels them.
 STOP_GRACE_S = 5.0
 
@@ -114,7 +122,7 @@ class BatchRunner:
             await asyncio.wait(list(self._running.values()), timeout=STOP_GRACE_S + 5)
 
     async def _loop(self) -> None:
-        renewed = 0.0
+        renewed = expired = 0.0
         while not self._stopping:
             try:
                 while len(self._running) < self.config.max_running:
@@ -129,7 +137,9 @@ class BatchRunner:
                     for ident, task in list(self._running.items()):
                         if ident not in held:  # taken by another process: this one stops
                             task.cancel()
-                await self._expire_files()
+                if self.clock() - expired >= FILE_EXPIRY_SCAN_S:
+                    expired = self.clock()
+                    await self._expire_files()
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the database: tried again at the next poll
@@ -243,25 +253,36 @@ class BatchRunner:
 
         # Lines that ask about one input: the first is answered alone, and the others once it is, so that the engine
         # computes the input once and takes it from its prefix cache for them (packed together, each would compute
-        # it again). Keyed by the body without its questions; only inputs with a line in flight are remembered.
+        # it again). Keyed by a digest of the body without its questions; the last WARM_INPUTS inputs answered are
+        # remembered (their lines wait for nothing).
         first: dict[bytes, asyncio.Future[None]] = {}
+        warm: OrderedDict[bytes, None] = OrderedDict()
 
         async def answer(n: int, raw: bytes, caller: Caller | DecisionError) -> None:
             item = orjson.loads(raw)
             key = _input_key(item["body"])
             mine: asyncio.Future[None] | None = None
             try:
-                if key is not None:
+                if key is not None and key not in warm:
                     ahead = first.get(key)
                     if ahead is None:
                         first[key] = mine = asyncio.get_running_loop().create_future()
                     else:
                         await asyncio.shield(ahead)
                 answered.append(await self._line(job, route, n, item, caller))
+            except Stopped:  # stopping while the line waits out a rate limit: left for the next process
+                pass
+            except Exception:  # a fault outside the pipeline (which answers its own): the line's answer is a 500
+                log.exception("batch %s line %d", job.id, n + 1)
+                status, body = route.early_error(INTERNAL_ERROR, None)
+                answered.append(_result(n, request_id(job.id, n), item.get("custom_id"), status, body, None))
             finally:
-                if mine is not None:
+                if mine is not None and key is not None:
                     mine.set_result(None)
-                    first.pop(key, None)  # type: ignore[arg-type]
+                    first.pop(key, None)
+                    warm[key] = None
+                    if len(warm) > WARM_INPUTS:
+                        warm.popitem(last=False)
                 pending.discard(n)
                 slots.release()
 
@@ -319,7 +340,9 @@ class BatchRunner:
                               batch_id=job.id, record_id=record_id(job.id, n))
             answer = await respond(self.gateway, dialect, context, document, None, {})
             wait = _retry_after(answer.status, answer.headers)
-            if wait is not None and not self._stopping:
+            if wait is not None:
+                if self._stopping:
+                    raise Stopped()
                 await asyncio.sleep(wait)
                 continue
             self.gateway.record("batch", context, answer.status, answer.error_code, answer.result, document,
@@ -334,75 +357,96 @@ class BatchRunner:
         state = "cancelled" if job.status == "cancelling" else "expired" if (
             job.completed + job.failed < job.total and now >= job.expires_at) else "completed"
         folder = self.store.folder
-        outputs = {"output": output_id(job.id, "output"), "error": output_id(job.id, "error")}
-        written = {kind: 0 for kind in outputs}
-        sizes = {kind: 0 for kind in outputs}
-        temporary = {kind: folder / f".{ident}.{self.name.replace(':', '_')}.tmp" for kind, ident in outputs.items()}
-        expired_lines = 0
-        handles = {kind: path.open("wb") for kind, path in temporary.items()}
+        files = {kind: _Output(output_id(job.id, kind), folder / f".{output_id(job.id, kind)}.{os.getpid()}.tmp")
+                 for kind in ("output", "error")}
         try:
-            results = self.store.results(job.id)
-            upcoming = await anext(results, None)
-            lines = _lines(self.store.path(source)) if source is not None and state == "expired" else iter(())
-            for n, raw in lines:  # expired: the lines never answered go to the error file
-                while upcoming is not None and upcoming.line < n:
-                    sizes[_kind(upcoming.ok)] += _write(handles, upcoming.ok, upcoming.body, written)
-                    upcoming = await anext(results, None)
-                if upcoming is not None and upcoming.line == n:
-                    continue
-                expired_lines += 1
-                custom_id = orjson.loads(raw).get("custom_id")
-                sizes["error"] += _write(handles, False, {
-                    "id": request_id(job.id, n), "custom_id": custom_id, "response": None,
-                    "error": {"code": "batch_expired", "message": "This request could not be executed before the "
-                              "completion window expired."}}, written)
-            while upcoming is not None:
-                sizes[_kind(upcoming.ok)] += _write(handles, upcoming.ok, upcoming.body, written)
-                upcoming = await anext(results, None)
-        finally:
-            for handle in handles.values():
-                handle.flush()
-                os.fsync(handle.fileno())
-                handle.close()
-        files = []
-        for kind, ident in outputs.items():
-            if not written[kind]:
-                temporary[kind].unlink(missing_ok=True)
+            expired = await self._write_files(job, source if state == "expired" else None, files)
+        except BaseException:
+            for output in files.values():
+                output.close()
+                output.temporary.unlink(missing_ok=True)
+            raise
+        rows = []
+        for kind, output in files.items():
+            await asyncio.to_thread(output.close)
+            if not output.lines:
+                output.temporary.unlink(missing_ok=True)
                 continue
-            temporary[kind].replace(folder / f"{ident}.jsonl")
-            files.append(StoredFile(id=ident, key_id=job.key_id, filename=f"batch_{job.id}_{kind}.jsonl",
-                                    purpose="batch_output", bytes=sizes[kind], lines=written[kind],
-                                    path=f"{ident}.jsonl", created_at=now, expires_at=None))
+            output.temporary.replace(folder / f"{output.id}.jsonl")
+            rows.append(StoredFile(id=output.id, key_id=job.key_id, filename=f"batch_{job.id}_{kind}.jsonl",
+                                   purpose="batch_output", bytes=output.bytes, lines=output.lines,
+                                   path=f"{output.id}.jsonl", created_at=now, expires_at=None))
         values: dict[str, Any] = {"status": state, f"{state}_at": now,
-                                  "output_file_id": outputs["output"] if written["output"] else None,
-                                  "error_file_id": outputs["error"] if written["error"] else None}
-        if expired_lines:
-            values["failed"] = job.failed + expired_lines
-        if not await self.store.finish(job.id, self.name, files, values):
+                                  "output_file_id": files["output"].id if files["output"].lines else None,
+                                  "error_file_id": files["error"].id if files["error"].lines else None}
+        if expired:
+            values["failed"] = job.failed + expired
+        if not await self.store.finish(job.id, self.name, rows, values):
             raise Stopped()
         log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": job.completed,
                                                        "failed": values.get("failed", job.failed)})
 
+    async def _write_files(self, job: BatchJob, expired_from: StoredFile | None, files: dict[str, _Output]) -> int:
+        """The stored lines into the output and error files, in line order; with ``expired_from`` (the input of a
+        batch past its window) also a ``batch_expired`` error for each line never answered. How many of those."""
+        results = self.store.results(job.id)
+        upcoming = await anext(results, None)
+        expired = 0
+        for n, raw in _lines(self.store.path(expired_from)) if expired_from is not None else ():
+            while upcoming is not None and upcoming.line < n:
+                files[_kind(upcoming.ok)].write(upcoming.body)
+                upcoming = await anext(results, None)
+            if upcoming is not None and upcoming.line == n:
+                continue
+            expired += 1
+            files["error"].write({"id": request_id(job.id, n), "custom_id": orjson.loads(raw).get("custom_id"),
+                                  "response": None, "error": {"code": "batch_expired", "message": "This request "
+                                  "could not be executed before the completion window expired."}})
+        while upcoming is not None:
+            files[_kind(upcoming.ok)].write(upcoming.body)
+            upcoming = await anext(results, None)
+        return expired
+
+
+class _Output:
+    """An output or error file being written under a temporary name: its id, lines and bytes so far."""
+
+    def __init__(self, ident: str, temporary: Path):
+        self.id = ident
+        self.temporary = temporary
+        self.handle: IO[bytes] | None = temporary.open("wb")
+        self.lines = self.bytes = 0
+
+    def write(self, body: Any) -> None:
+        data = orjson.dumps(body) + b"\n"
+        assert self.handle is not None
+        self.handle.write(data)
+        self.lines += 1
+        self.bytes += len(data)
+
+    def close(self) -> None:
+        """Flushed to the disk and closed (the batch's final state is recorded only after)."""
+        if self.handle is not None:
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            self.handle = None
+
 
 def _input_key(body: dict[str, Any]) -> bytes | None:
-    """What a decision line asks about: its body without its questions (None for a body without questions)."""
+    """What a decision line asks about: a digest of its body without its questions (None for a body without
+    questions)."""
     if "questions" not in body:
         return None
     try:
-        return orjson.dumps({k: v for k, v in body.items() if k != "questions"}, option=orjson.OPT_SORT_KEYS)
+        rest = orjson.dumps({k: v for k, v in body.items() if k != "questions"}, option=orjson.OPT_SORT_KEYS)
     except TypeError:
         return None
+    return hashlib.blake2b(rest, digest_size=16).digest()
 
 
 def _kind(ok: bool) -> str:
     return "output" if ok else "error"
-
-
-def _write(handles: dict[str, Any], ok: bool, body: Any, written: dict[str, int]) -> int:
-    data = orjson.dumps(body) + b"\n"
-    handles[_kind(ok)].write(data)
-    written[_kind(ok)] += 1
-    return len(data)
 
 
 def _lines(path: Path) -> Any:
@@ -411,11 +455,6 @@ def _lines(path: Path) -> Any:
         for n, raw in enumerate(file):
             if raw.strip():
                 yield n, raw
-
-
-def _count_lines(path: Path) -> int:
-    with path.open("rb") as file:
-        return sum(1 for _ in file)
 
 
 def _retry_after(status: int, headers: dict[str, str]) -> float | None:
