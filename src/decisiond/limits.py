@@ -161,3 +161,11 @@ BATCH_FLUSH_LINES = 64
 BATCH_FLUSH_S = 0.25
 # Validation errors a failed batch lists (OpenAI's ``errors.data``); the rest are counted in the last one's message.
 BATCH_MAX_ERRORS = 100
+
+# Stored decisions (``store: true``): how long they are kept by default, the most labels one request may post, and
+# the labelled decisions the accuracy and ECE of ``/metrics`` are computed over (the newest this many per model, read
+# again every DECISION_QUALITY_REFRESH_S), in ECE_BINS bins of confidence.
+DECISION_RETENTION_DAYS = 30
+DECISION_QUALITY_WINDOW = 1000
+DECISION_QUALITY_REFRESH_S = 15.0
+ECE_BINS = 15

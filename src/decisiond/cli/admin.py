@@ -56,7 +56,8 @@ def register_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     usage_cmd.add_argument("--start", default=None, metavar="YYYY-MM-DD", help="first UTC day")
     usage_cmd.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day (included)")
     usage_cmd.add_argument("--request-type", default=None,  # usage.REQUEST_TYPES (a test keeps them equal)
-                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp", "batch"])
+                           choices=["decisions", "system_one", "score", "guardrail", "chat", "responses", "mcp",
+                                    "batch"])
     usage_cmd.add_argument("--log-level", default="warning")
     usage_cmd.set_defaults(func=cmd_usage)
 

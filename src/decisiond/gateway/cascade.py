@@ -40,8 +40,9 @@ Gate = Callable[[Target], AsyncContextManager[Any]]
 @dataclass
 class Step:
     """One call of a cascade: the step's model name, the targets it tried (failed attempts included: the last one
-    answered), how many questions it was asked, its answer (None when the call failed), its place in the cascade's
-    targets (1 for the first) and how many of its answers were below its threshold, to go on to a later step."""
+    answered), how many questions it was asked (and which), its answer (None when the call failed), its place in the
+    cascade's targets (1 for the first) and how many of its answers were below its threshold, to go on to a later
+    step."""
 
     name: str
     tried: list[Target]
@@ -49,6 +50,8 @@ class Step:
     result: DecisionResult | None = None
     position: int = 1
     escalated: int = 0
+    # The request's questions it was asked, by their place in the request (its answers are in this order).
+    asked: tuple[int, ...] = ()
 
     @property
     def answered_by(self) -> Target | None:
@@ -118,7 +121,7 @@ async def run(request: DecisionRequest, steps: Sequence[str], thresholds: Sequen
             log.warning("skipping cascade step", extra={"step": name, "questions": len(pending),
                                                         "reason": "no target of the step can serve the request"})
             continue
-        step = Step(name, [], len(pending), position=i + 1)
+        step = Step(name, [], len(pending), position=i + 1, asked=tuple(pending))
 
         def step_gate(target: Target, tried: list[Target] = step.tried) -> AsyncContextManager[Any]:
             tried.append(target)

@@ -23,11 +23,12 @@ from ..dialects import openai as openai_dialect
 from ..errors import DecisionError, ProviderError, ServerError, one_line
 from ..store.db import Database
 from ..store.keys import KeyStore
-from . import pricing
+from . import decisions, pricing
 from .cascade import ESCALATED_HEADER, Step, escalated
 from .catalog import Target
 from .chat import ChatRequest, ChatResult
 from .config import ConfigError
+from .decisions import DecisionStore
 from .journal import Journal, default_directory
 from .pipeline import Pipeline
 from .router import Router
@@ -95,6 +96,10 @@ class Gateway:
         self.usage: UsageWriter | None = None
         self._started = self._closed = False
         self.cache = ResponseCache(config.cache)
+        # Names whose decisions are kept (``store: true``) → their retention in days.
+        self.stored_models = {**{m.name: m.store_retention_days for m in config.models if m.store},
+                              **{v.name: v.store_retention_days for v in config.virtual_models if v.store}}
+        self.decisions: DecisionStore | None = None
         otel = config.otel
         self.tracing = tracing.start(otel.endpoint, otel.service_name, otel.sample_ratio, otel.headers,
                                      otel.schedule_delay_ms)
@@ -133,6 +138,7 @@ class Gateway:
             self.db = await _open_database(self.database_url, self._database_setting)
             journal = _open_journal(self.config.usage_journal, self.database_url)
             self.keys = KeyStore(self.db)
+            self.decisions = DecisionStore(self.db)
             self.auth.store = self.keys
             self.budgets = BudgetStore(self.db, self.config.budget_reservation_ttl_s)
             for budget in self.config.budgets:
@@ -240,6 +246,13 @@ class Gateway:
                 failed.append(Call(list(context.targets_tried), context.answered_by, result.usage, result.model,
                                    context.cost or 0.0))
         _cascaded(context, steps, len(request.questions), failed)
+        retention = self.stored_models.get(context.resolved_model)
+        if retention is not None and self.usage is not None:
+            try:
+                context.stored = decisions.record(request, result, context.resolved_model, context.request_id,
+                                                  context.caller, retention, steps)
+            except Exception:  # keeping a decision never fails its request
+                log.exception("decision not kept", extra={"request_id": context.request_id})
         return result
 
     async def answer_openai(self, body: Any, caller: Caller | None = None, request_id: str | None = None,
@@ -285,7 +298,8 @@ class Gateway:
                 part = dataclasses.replace(context, calls=[], targets_tried=call.targets_tried,
                                            answered_by=call.answered_by, cost=call.cost,
                                            charges=context.charges if n == 0 else [],
-                                           record_id=_part_id(context.record_id, n))
+                                           record_id=_part_id(context.record_id, n),
+                                           stored=context.stored if n == 0 else None)
                 answer = DecisionResult(call.model or "", [], call.usage) if call.usage is not None else None
                 self.record(request_type, part, call.status or status, call.error_code or error_code, answer,
                             document if n == 0 else None, body if n == 0 else None, guardrail)
@@ -314,7 +328,7 @@ class Gateway:
                 request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
                 response_body=redact(body, audit.redact_fields) if audit.log_bodies else None,
                 charges=[c.row() for c in context.charges] or None, batch_id=context.batch_id,
-                record_id=context.record_id))
+                record_id=context.record_id, decision=context.stored))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
 

@@ -27,6 +27,7 @@ from ..limits import (
     CACHE_MAX_BYTES,
     CACHE_TTL_S,
     CONCURRENCY_SLOT_TTL_S,
+    DECISION_RETENTION_DAYS,
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_QUESTION_LABELS,
     MAX_QUESTION_LABELS,
@@ -277,6 +278,11 @@ class ModelConfig(BaseModel):
     """The most output tokens an answer may bill when the request sets no max_tokens of its own (budgets reserve it)."""
     cache: bool | None = None
     """Whether its answers are cached; None leaves it to its provider."""
+    store: bool = False
+    """Keep each decision it answers (the input as the model saw it, the questions, the answers), so that labels can
+    be posted for it (``POST /v1/decisions/{request_id}/labels``) and its accuracy measured."""
+    store_retention_days: int = Field(default=DECISION_RETENTION_DAYS, ge=1)
+    """How long a stored decision is kept, in days (with its labels)."""
 
 
 class StaticKeyConfig(BaseModel):

@@ -112,6 +112,8 @@ class Context:
     # (``usage.UsageRecord.record_id``).
     batch_id: str | None = None
     record_id: str | None = None
+    # The decision to keep, for a model with ``store: true`` (``decisions.record``); on its usage record.
+    stored: dict[str, Any] | None = None
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

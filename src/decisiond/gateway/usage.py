@@ -59,6 +59,8 @@ class UsageRecord:
     charges: list[list[Any]] | None = None
     # The batch of a batch line's row.
     batch_id: str | None = None
+    # The decision kept for a model with ``store: true`` (``decisions.record``); journaled with it, not a column.
+    decision: dict[str, Any] | None = None
     # Its id, when the request may be answered again and must still leave one row (a batch line taken up again
     # after a restart): a record whose id is already in the table is not written, nor its charges settled. None: a
     # fresh id of its own (``usage_writer``).

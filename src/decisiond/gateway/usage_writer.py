@@ -54,6 +54,8 @@ from ..limits import (
 from ..store.db import Database, transient
 from ..store.tables import UsageRow
 from ..store.usage_rows import insert_new_postgres, insert_new_sqlite, values_of
+from .decisions import DecisionStore
+from .decisions import insert_rows as insert_decisions
 from .journal import Journal, read_segment
 from .stages.budget_ledger import apply_charges
 from .types import Charge
@@ -127,8 +129,11 @@ class UsageWriter:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
-        if self.retention_days is not None:
-            self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
+        self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
+
+    def wake(self) -> None:
+        """Write what is journaled now (a label waits for its decision)."""
+        self._wake.set()
 
     def submit(self, record: UsageRecord) -> None:
         """Journal ``record`` (before its response leaves); the writer takes it from there. Never waits."""
@@ -267,8 +272,9 @@ class UsageWriter:
 
     async def _write(self, rows: list[dict[str, Any]],
                      fitted: list[dict[str, Any]]) -> tuple[list[Charge], list[Charge]]:
-        """One transaction: the new rows inserted, the charges they carry applied; those charges, and those of the
-        rows already there (not applied: a record is charged once)."""
+        """One transaction: the new rows inserted, the charges they carry applied, the decisions they carry kept
+        (``decisions``); those charges, and those of the rows already there (not applied: a record is charged
+        once)."""
         dialect = self.db.engine.dialect
 
         def charged(new: set[str]) -> tuple[list[Charge], list[Charge]]:
@@ -278,10 +284,15 @@ class UsageWriter:
                 (applied if r["record_id"] in new else dropped).extend(Charge.of(c) for c in r.get("charges") or ())
             return applied, dropped
 
+        def stored(new: set[str]) -> list[dict[str, Any]]:  # the decisions kept with the rows inserted now
+            return [r["decision"] for r in rows if r["record_id"] in new and r.get("decision")]
+
         if self.db.writer is not None:  # SQLite: the whole transaction in a thread, the file's lock held briefly
             def run(connection: Connection) -> tuple[list[Charge], list[Charge]]:
-                charges = charged(insert_new_sqlite(connection, fitted, values_of(fitted, dialect)))
+                new = insert_new_sqlite(connection, fitted, values_of(fitted, dialect))
+                charges = charged(new)
                 apply_charges(connection, charges[0])
+                insert_decisions(connection, stored(new))
                 return charges
 
             return await self.db.write(run)
@@ -290,9 +301,12 @@ class UsageWriter:
             values += values_of(fitted[start:start + USAGE_SLICE], dialect)
             await asyncio.sleep(0)
         async with self.db.session() as session, session.begin():
-            charges = charged(await insert_new_postgres(session, values))
+            new = await insert_new_postgres(session, values)
+            charges, decisions = charged(new), stored(new)
             if charges[0]:
                 await (await session.connection()).run_sync(apply_charges, charges[0])
+            if decisions:
+                await (await session.connection()).run_sync(insert_decisions, decisions)
         return charges
 
     async def aclose(self) -> None:
@@ -331,7 +345,9 @@ class UsageWriter:
             await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
 
     async def purge(self) -> int:
-        """Delete rows older than ``retention_days``; returns how many."""
+        """Delete rows older than ``retention_days``, and stored decisions past their own retention; returns how
+        many usage rows."""
+        await DecisionStore(self.db).purge()
         if self.retention_days is None:
             return 0
         cutoff = datetime.now(timezone.utc) - timedelta(days=self.retention_days)

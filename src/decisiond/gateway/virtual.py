@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, model_validator
 
+from ..limits import DECISION_RETENTION_DAYS
+
 if TYPE_CHECKING:
     from .settings import GatewayConfig
 
@@ -39,6 +41,11 @@ class VirtualModelConfig(BaseModel):
     """Guardrails (by name) every request to it runs through."""
     cache: bool | None = None
     """Whether answers asked under this name are cached; None leaves it to the target that answers."""
+    store: bool = False
+    """Keep each decision asked under this name (for a cascade, every step's answers too), so that labels can be
+    posted for it and its accuracy measured."""
+    store_retention_days: int = Field(default=DECISION_RETENTION_DAYS, ge=1)
+    """How long a stored decision is kept, in days (with its labels)."""
 
     @model_validator(mode="after")
     def _strategy_fits(self) -> "VirtualModelConfig":

@@ -19,7 +19,7 @@ from ..gateway.service import Gateway
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..store.batches import BatchStore, default_folder
 from ..version import __version__
-from . import admin, batch_api, chat, pages
+from . import admin, batch_api, chat, labels, pages
 from . import mcp as mcp_server
 from .batch_runner import BatchRunner
 from .guard import AccessGuard
@@ -71,6 +71,7 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.include_router(chat.router)
     app.include_router(admin.self_service)
     app.include_router(batch_api.router)
+    app.include_router(labels.router)
     app.router.routes.append(Route("/mcp", mcp_endpoint, methods=["GET", "POST", "DELETE"]))
     return app
 

@@ -195,3 +195,28 @@ class BatchResult(Base):
     line: Mapped[int] = mapped_column(Integer, primary_key=True)
     ok: Mapped[bool] = mapped_column(Boolean)
     body: Mapped[Any] = mapped_column(JSON)
+
+
+class StoredDecision(Base):
+    """A decision kept for its model's ``store: true``: the request as the model saw it (after guardrail redaction,
+    in OpenAI's shape), its questions (name, type, the values a label may take), the answer's probabilities per
+    question, a cascade's steps and the soft labels its later steps give its first (``teacher``), and the labels
+    posted for it. Deleted ``expires_at`` (its model's ``store_retention_days``)."""
+
+    __tablename__ = "decisions"
+    __table_args__ = (Index("ix_decisions_model_labelled", "model", "labelled_at"),
+                      Index("ix_decisions_expires", "expires_at"))
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(210), nullable=True)
+    user_path: Mapped[str] = mapped_column(String(256))
+    model: Mapped[str] = mapped_column(String(256))
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    request: Mapped[Any] = mapped_column(JSON)
+    questions: Mapped[Any] = mapped_column(JSON)
+    answers: Mapped[Any] = mapped_column(JSON)
+    steps: Mapped[Any] = mapped_column(JSON, nullable=True)
+    teacher: Mapped[Any] = mapped_column(JSON, nullable=True)
+    labels: Mapped[Any] = mapped_column(JSON, nullable=True)
+    labelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -1,0 +1,221 @@
+"""Stored decisions and their labels (a model's or virtual model's ``store: true``).
+
+- **Kept.** A decision answered under a name with ``store: true`` is kept (``record``): the request as the model saw
+  it (after guardrail redaction, in OpenAI's shape), its questions, the probabilities of every answer, and for a
+  cascade every step's answers and the *teacher* labels — for each question that went on past the first step, the
+  final answer's probabilities, a soft label for the first step. The record rides the usage journal with the
+  request's usage record and is inserted in the same transaction, off the request path (``usage_writer``).
+- **Labels.** ``POST /v1/decisions/{request_id}/labels {"labels": {name: value}}``: a predicate's ``true``/``false``,
+  a choice's value, a score's level index (``check_labels``, 400 naming the field otherwise); a second label for a
+  question replaces the first. A key labels (and deletes) only its own decisions; the master key any.
+- **Quality.** Over the newest labelled decisions of each model, per question: how many labels, the accuracy of the
+  answer served (its most probable value against the label) and its expected calibration error over ``ECE_BINS``
+  bins of confidence (``quality``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.engine import Connection
+
+from ..canonical import DecisionRequest, DecisionResult, Question
+from ..dialects.openai.upstream import render_request
+from ..errors import InvalidRequest, NotFound
+from ..limits import ECE_BINS
+from ..store.db import Database
+from ..store.tables import StoredDecision
+from .cascade import Step
+from .types import Caller
+
+MAX_LABELS = 400  # one per question at most (the largest question count a dialect takes)
+
+
+def _values(question: Question) -> list[Any]:
+    """The values a label of the question may take, in the order of its answer's probabilities."""
+    if question.kind == "yes_no":
+        return [True, False]
+    if question.kind == "choice":
+        return [option.value for option in question.options]
+    return list(range(len(question.levels)))
+
+
+def record(request: DecisionRequest, result: DecisionResult, model: str, request_id: str, caller: Caller,
+           retention_days: int, steps: list[Step], now: datetime | None = None) -> dict[str, Any]:
+    """What the decisions table keeps of one answered request (JSON-able: it is journaled)."""
+    now = now or datetime.now(timezone.utc)
+    questions = [{"name": q.name, "type": q.kind, "values": _values(q)} for q in request.questions]
+    stored: dict[str, Any] = {
+        "request_id": request_id, "key_id": caller.key_id, "user_path": caller.user_path, "model": model,
+        "time": now.isoformat(), "expires_at": (now + timedelta(days=retention_days)).isoformat(),
+        "request": render_request(request), "questions": questions,
+        "answers": [None if a.refusal else list(a.probabilities) for a in result.answers],
+        "steps": None, "teacher": None,
+    }
+    if steps:
+        stored["steps"] = [{"step": s.name, "position": s.position, "answers": {
+            str(k): (None if a.refusal else list(a.probabilities)) for k, a in zip(s.asked, s.result.answers)}}
+            for s in steps if s.result is not None]
+        later = {k for s in steps[1:] if s.result is not None for k in s.asked}
+        teacher = {str(questions[k]["name"] if questions[k]["name"] is not None else k): stored["answers"][k]
+                   for k in sorted(later) if stored["answers"][k] is not None}
+        stored["teacher"] = teacher or None
+    return stored
+
+
+def check_labels(questions: list[dict[str, Any]], body: Any) -> dict[str, Any]:
+    """``{"labels": {name: value}}`` checked against the decision's questions: the labels, or 400 naming the field
+    at fault (an unknown question, a value the question does not allow)."""
+    if not isinstance(body, dict) or set(body) != {"labels"}:
+        unknown = sorted(set(body) - {"labels"}) if isinstance(body, dict) else []
+        if unknown:
+            raise InvalidRequest(f"unknown field {unknown[0]!r}: the body is {{\"labels\": {{name: value}}}}",
+                                 (unknown[0],), code="unknown_parameter")
+        raise InvalidRequest("the body is {\"labels\": {question name: value}}", ("labels",),
+                             code="missing_required_parameter")
+    labels = body["labels"]
+    if not isinstance(labels, dict) or not labels:
+        raise InvalidRequest("labels must be an object of question names to values, with at least one", ("labels",))
+    if len(labels) > MAX_LABELS:
+        raise InvalidRequest(f"at most {MAX_LABELS} labels a request", ("labels",))
+    by_name = {q["name"]: q for q in questions if q["name"] is not None}
+    for name, value in labels.items():
+        question = by_name.get(name)
+        if question is None:
+            raise InvalidRequest(f"this decision has no question named {name[:100]!r} (it has "
+                                 f"{', '.join(repr(n) for n in list(by_name)[:20]) or 'no named question'})",
+                                 ("labels", name), code="unknown_question")
+        allowed = question["values"]
+        ok = (isinstance(value, bool) if question["type"] == "yes_no" else
+              isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(allowed)
+              if question["type"] == "score" else
+              any(type(value) is type(v) and value == v for v in allowed))
+        if not ok:
+            shown = ("true or false" if question["type"] == "yes_no" else
+                     f"a level index from 0 to {len(allowed) - 1}" if question["type"] == "score" else
+                     "one of " + ", ".join(repr(v) for v in allowed[:20]))
+            raise InvalidRequest(f"a label of {name!r} is {shown}, not {str(value)[:100]!r}", ("labels", name),
+                                 code="invalid_label")
+    return labels
+
+
+def label_index(question: dict[str, Any], value: Any) -> int:
+    """The position of a label's value among the question's answer probabilities."""
+    if question["type"] == "score":
+        return int(value)
+    return next(i for i, v in enumerate(question["values"]) if type(v) is type(value) and v == value)
+
+
+@dataclass
+class QuestionQuality:
+    labels: int
+    accuracy: float
+    ece: float
+
+
+def quality(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]],
+            bins: int = ECE_BINS) -> dict[str, QuestionQuality]:
+    """Per question name, over ``rows`` of (questions, answers, labels): how many labels, the accuracy of the served
+    answer's most probable value, and its expected calibration error (``bins`` equal bins of the top probability —
+    a predicate's max(p, 1 − p) —, each bin's |accuracy − mean confidence| weighted by its share)."""
+    seen: dict[str, list[tuple[float, bool]]] = {}
+    for questions, answers, labels in rows:
+        for k, question in enumerate(questions):
+            name = question["name"]
+            if name is None or name not in labels or k >= len(answers) or not answers[k]:
+                continue
+            probabilities = answers[k]
+            if question["type"] == "yes_no":
+                probabilities = [probabilities[0], 1.0 - probabilities[0]]
+            top = max(range(len(probabilities)), key=probabilities.__getitem__)
+            seen.setdefault(name, []).append((probabilities[top], top == label_index(question, labels[name])))
+    out = {}
+    for name, points in seen.items():
+        counts = [0] * bins
+        right = [0] * bins
+        sure = [0.0] * bins
+        for confidence, correct in points:
+            b = min(bins - 1, int(confidence * bins))
+            counts[b] += 1
+            right[b] += correct
+            sure[b] += confidence
+        ece = math.fsum(abs(right[b] - sure[b]) for b in range(bins) if counts[b]) / len(points)
+        out[name] = QuestionQuality(len(points), sum(c for _, c in points) / len(points), ece)
+    return out
+
+
+class DecisionStore:
+    """Stored decisions on the gateway's database."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    async def get(self, request_id: str, caller: Caller) -> StoredDecision:
+        """The decision, if ``caller`` may see it (its own key's; the master key: any) — else 404."""
+        async with self.db.session() as session:
+            row = await session.get(StoredDecision, request_id)
+        if row is None or not (caller.key_id is None or row.key_id == caller.key_id):
+            raise NotFound(f"no stored decision {request_id[:100]!r} (only decisions of a model with store: true are "
+                           "kept, and a key sees only its own)", ("request_id",), code="decision_not_found")
+        return row
+
+    async def label(self, request_id: str, labels: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
+        """Merge ``labels`` into the decision's (a question labelled again takes the new value): all its labels."""
+        now = now or datetime.now(timezone.utc)
+
+        def run(connection: Connection) -> dict[str, Any]:
+            current = connection.execute(select(StoredDecision.labels).where(
+                StoredDecision.request_id == request_id)).scalar_one_or_none() or {}
+            merged = {**current, **labels}
+            connection.execute(update(StoredDecision).where(StoredDecision.request_id == request_id).values(
+                labels=merged, labelled_at=now))
+            return merged
+
+        return await self.db.write(run)
+
+    async def delete(self, request_id: str) -> None:
+        def run(connection: Connection) -> None:
+            connection.execute(delete(StoredDecision).where(StoredDecision.request_id == request_id))
+
+        await self.db.write(run)
+
+    async def purge(self, now: datetime | None = None) -> int:
+        """Delete the decisions past their retention; how many."""
+        now = now or datetime.now(timezone.utc)
+
+        def run(connection: Connection) -> int:
+            return int(connection.execute(delete(StoredDecision).where(StoredDecision.expires_at < now)).rowcount
+                       or 0)
+
+        return await self.db.write(run)
+
+    async def labelled(self, model: str, limit: int) -> list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]:
+        """The newest ``limit`` labelled decisions of ``model``: (questions, answers, labels) each."""
+        async with self.db.session() as session:
+            rows = (await session.execute(
+                select(StoredDecision.questions, StoredDecision.answers, StoredDecision.labels)
+                .where(StoredDecision.model == model, StoredDecision.labelled_at.is_not(None))
+                .order_by(StoredDecision.labelled_at.desc()).limit(limit))).all()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+
+def insert_rows(connection: Connection, stored: list[dict[str, Any]]) -> None:
+    """Insert journaled decision records, in the usage writer's transaction (each request's once: a request id
+    already there is left as it is)."""
+    if not stored:
+        return
+    ids = [s["request_id"] for s in stored]
+    there = set(connection.execute(select(StoredDecision.request_id).where(
+        StoredDecision.request_id.in_(ids))).scalars())
+    fresh = [{**s, "time": _time(s["time"]), "expires_at": _time(s["expires_at"])} for s in stored
+             if s["request_id"] not in there]
+    if fresh:
+        connection.execute(StoredDecision.__table__.insert(), fresh)
+
+
+def _time(value: Any) -> datetime:
+    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
