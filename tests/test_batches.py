@@ -292,16 +292,24 @@ class Gate:
         self.count = 0
         self.open_first = open_first
         self.arrived = threading.Condition()
+        self.asked: dict[str, int] = {}
         self.upstream = upstreams.Upstream(self.handle).start()
 
     def handle(self, seen):
         with self.arrived:
             self.count += 1
             n = self.count
+            text = json.dumps(seen.json()["input"])
+            again = self.asked.get(text, 0)
+            self.asked[text] = again + 1
             self.arrived.notify_all()
         if n > self.open_first:
             self.opened.wait(120)
-        return self.inner.handler(seen)
+        status, headers, body = self.inner.handler(seen)
+        if again:  # asked again: another answer, so that a test sees which answer a line kept
+            for answer in body["answers"]:
+                answer["probability"] = 0.55
+        return status, headers, body
 
     def wait_for(self, count: int, timeout: float = 120.0) -> None:
         with self.arrived:
@@ -343,7 +351,7 @@ def test_sigkill_at_line_20_of_100_then_restart_answers_each_line_once(tmp_path)
     gate = Gate(open_first=20)
     config = write_config(tmp_path, gate.upstream.url, concurrency=1)
     database = tmp_path / "gw.sqlite3"
-    text = config.read_text().replace("limit_usd: 0.30", "limit_usd: 100")
+    text = config.read_text().replace("limit_usd: 0.30", "limit_usd: 100") + "audit: {log_bodies: true}\n"
     config.write_text(text)
     server = start_decisiond("--config", str(config))
     try:
@@ -371,6 +379,53 @@ def test_sigkill_at_line_20_of_100_then_restart_answers_each_line_once(tmp_path)
         spend = httpx.get(server.url + "/admin/budgets", headers={"Authorization": f"Bearer {MASTER}"}).json()
         [metered] = [b for b in spend["data"] if b.get("model") == "metered"]
         assert round(metered["spent_usd"], 6) == 1.0  # 100 lines at 0.01, none charged twice
+        assert_output_is_what_was_charged(server, batch.id, output)
+    finally:
+        server.stop()
+        gate.stop()
+
+
+def assert_output_is_what_was_charged(server, batch_id: str, output: list[dict]) -> None:
+    """Each output line's answer is the one its usage row recorded (``audit.log_bodies``): a line answered twice
+    keeps the answer that was charged."""
+    rows = httpx.get(server.url + "/admin/audit", params={"batch": batch_id, "limit": 1000},
+                     headers={"Authorization": f"Bearer {MASTER}"}).json()["data"]
+    charged = {r["request_id"]: r["response_body"] for r in rows}
+    assert len(charged) == len(output)
+    for item in output:
+        assert item["response"]["body"] == charged[item["id"]], item["custom_id"]
+
+
+def test_a_graceful_stop_with_lines_in_flight_loses_none(tmp_path):
+    """SIGTERM while two lines wait at the upstream: they are given up, not counted as done; the next server answers
+    them, and every line is in the output once, as charged."""
+    gate = Gate(open_first=5)
+    config = write_config(tmp_path, gate.upstream.url, concurrency=2)
+    # The upstream's timeout outlasts the stop's grace: the two lines are still waiting when the server gives them up.
+    config.write_text(config.read_text().replace("api_key: sk-test,", "api_key: sk-test, timeout: 60,")
+                      + "audit: {log_bodies: true}\n")
+    server = start_decisiond("--config", str(config))
+    try:
+        sdk = client(server, ALICE)
+        uploaded = sdk.files.create(file=("t.jsonl", jsonl([line(f"t{i}") for i in range(20)])), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/decisions", completion_window="24h")
+        gate.wait_for(7)
+        server.process.terminate()
+        server.process.wait(60)
+        assert "Application shutdown complete" in server.log()  # a graceful stop (uvicorn re-raises SIGTERM)
+    finally:
+        server.stop()
+    gate.opened.set()
+    server = start_decisiond("--config", str(config))
+    try:
+        sdk = client(server, ALICE)
+        done = wait_for(sdk, batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 20, 0), \
+            read_lines(sdk, done.error_file_id)
+        output = read_lines(sdk, done.output_file_id)
+        assert sorted(o["custom_id"] for o in output) == sorted(f"t{i}" for i in range(20))
+        wait_for_rows(tmp_path / "gw.sqlite3", batch.id, 20)
+        assert_output_is_what_was_charged(server, batch.id, output)
     finally:
         server.stop()
         gate.stop()
@@ -455,8 +510,8 @@ def test_a_batch_past_its_window_expires_with_its_unanswered_lines_as_errors(tmp
                     break
                 await asyncio.sleep(0.1)
             assert batch.status == "expired" and batch.expired_at == int(now[0])
-            output = [json.loads(x) for x in (store.folder / f"{batch.output_file_id}.jsonl").read_text().splitlines()]
-            errors = [json.loads(x) for x in (store.folder / f"{batch.error_file_id}.jsonl").read_text().splitlines()]
+            output, errors = [[json.loads(x) for x in store.path(await store.file(ident)).read_text().splitlines()]
+                              for ident in (batch.output_file_id, batch.error_file_id)]
             assert [o["custom_id"] for o in output] == ["e0", "e1", "e2", "e3"]
             assert [e["custom_id"] for e in errors] == [f"e{i}" for i in range(4, 10)]
             assert {e["error"]["code"] for e in errors} == {"batch_expired"}

@@ -158,6 +158,8 @@ BATCH_LIST_MAX = 100
 FILE_LIST_MAX = 10_000
 BATCH_POLL_S = 1.0
 BATCH_FLUSH_LINES = 64
+# How far past its slowest line in flight a batch answers (what a restart reads back of it stays this small).
+BATCH_MAX_AHEAD = 10_000
 BATCH_FLUSH_S = 0.25
 # Validation errors a failed batch lists (OpenAI's ``errors.data``); the rest are counted in the last one's message.
 BATCH_MAX_ERRORS = 100

@@ -21,6 +21,7 @@ from .. import tracing
 from ..canonical import DecisionRequest, DecisionResult, Message, ScoreRequest, ScoreResult, Text, Usage
 from ..dialects import openai as openai_dialect
 from ..errors import DecisionError, ProviderError, ServerError, one_line
+from ..limits import USAGE_PURGE_INTERVAL_S
 from ..store.db import Database
 from ..store.keys import KeyStore
 from . import decisions, pricing
@@ -100,6 +101,7 @@ class Gateway:
         self.stored_models = {**{m.name: m.store_retention_days for m in config.models if m.store},
                               **{v.name: v.store_retention_days for v in config.virtual_models if v.store}}
         self.decisions: DecisionStore | None = None
+        self._purger: asyncio.Task[None] | None = None
         otel = config.otel
         self.tracing = tracing.start(otel.endpoint, otel.service_name, otel.sample_ratio, otel.headers,
                                      otel.schedule_delay_ms)
@@ -149,15 +151,28 @@ class Gateway:
             self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal,
                                      on_written=self.leases.written, on_dropped=self.leases.dropped)
             self.usage.start()
+            if self.stored_models:
+                self._purger = asyncio.create_task(self._purge_decisions(), name="decisions-purge")
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
             log.warning("no API key is configured: every client that can reach this server may use every model "
                         f"and upstream key; set auth.master_key or {MASTER_KEY_ENV}")
 
+    async def _purge_decisions(self) -> None:
+        """Stored decisions past their retention are deleted, now and then every ``USAGE_PURGE_INTERVAL_S``."""
+        while self.decisions is not None:
+            try:
+                await self.decisions.purge()
+            except Exception as error:  # the database: tried again later
+                log.warning("stored decisions not purged", extra={"error": one_line(error)})
+            await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._purger is not None:
+            self._purger.cancel()
         if self.leases is not None:
             await self.leases.aclose()  # the room of budget leases given back
         if self.usage is not None:
@@ -299,7 +314,8 @@ class Gateway:
                                            answered_by=call.answered_by, cost=call.cost,
                                            charges=context.charges if n == 0 else [],
                                            record_id=_part_id(context.record_id, n),
-                                           stored=context.stored if n == 0 else None)
+                                           stored=context.stored if n == 0 else None,
+                                           batch_line=context.batch_line if n == 0 else None)
                 answer = DecisionResult(call.model or "", [], call.usage) if call.usage is not None else None
                 self.record(request_type, part, call.status or status, call.error_code or error_code, answer,
                             document if n == 0 else None, body if n == 0 else None, guardrail)
@@ -328,7 +344,8 @@ class Gateway:
                 request_body=redact(document, audit.redact_fields) if audit.log_bodies else None,
                 response_body=redact(body, audit.redact_fields) if audit.log_bodies else None,
                 charges=[c.row() for c in context.charges] or None, batch_id=context.batch_id,
-                record_id=context.record_id, decision=context.stored))
+                record_id=context.record_id, decision=context.stored,
+                batch_line=list(context.batch_line) if context.batch_line is not None else None))
         except Exception:  # a record must never fail the request
             log.exception("usage record not built", extra={"request_id": context.request_id})
 

@@ -112,6 +112,8 @@ class Context:
     # (``usage.UsageRecord.record_id``).
     batch_id: str | None = None
     record_id: str | None = None
+    # A batch line's (line number, answered, line of its output or error file), kept with its usage row.
+    batch_line: tuple[int, bool, Any] | None = None
     # The decision to keep, for a model with ``store: true`` (``decisions.record``); on its usage record.
     stored: dict[str, Any] | None = None
 

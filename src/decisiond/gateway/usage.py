@@ -59,6 +59,9 @@ class UsageRecord:
     charges: list[list[Any]] | None = None
     # The batch of a batch line's row.
     batch_id: str | None = None
+    # A batch line's (line number, answered, its line of the output or error file): stored with this row, in its
+    # transaction, so that the answer a batch keeps is the one whose row was written (``store.batches.put_results``).
+    batch_line: list[Any] | None = None
     # The decision kept for a model with ``store: true`` (``decisions.record``); journaled with it, not a column.
     decision: dict[str, Any] | None = None
     # Its id, when the request may be answered again and must still leave one row (a batch line taken up again

@@ -51,10 +51,10 @@ from ..limits import (
     USAGE_RETRY_MAX_S,
     USAGE_SLICE,
 )
+from ..store.batches import put_results
 from ..store.db import Database, transient
 from ..store.tables import UsageRow
 from ..store.usage_rows import insert_new_postgres, insert_new_sqlite, values_of
-from .decisions import DecisionStore
 from .decisions import insert_rows as insert_decisions
 from .journal import Journal, read_segment
 from .stages.budget_ledger import apply_charges
@@ -120,6 +120,8 @@ class UsageWriter:
     dead_letters: int = 0
     # Times a write was put off because the database was down or busy (its records kept, retried later).
     deferred: int = 0
+    # Set once the journals of dead processes found at start are written (``batch_runner`` waits for it).
+    replayed: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _scan_at: float = 0.0
@@ -128,8 +130,11 @@ class UsageWriter:
     _purger: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        if self.journal is None:
+            self.replayed.set()
         self._task = asyncio.create_task(self._run(), name="usage-writer")
-        self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
+        if self.retention_days is not None:
+            self._purger = asyncio.create_task(self._purge_loop(), name="usage-purge")
 
     def wake(self) -> None:
         """Write what is journaled now (a label waits for its decision)."""
@@ -212,6 +217,7 @@ class UsageWriter:
             if self._scan_due():
                 await self._replay_orphans(journal)
                 self._scan_at = time.monotonic() + USAGE_ORPHAN_SCAN_S
+                self.replayed.set()
         while self.buffer:
             batch = self.buffer[:USAGE_BATCH]
             await self._insert(batch)
@@ -277,22 +283,41 @@ class UsageWriter:
         once)."""
         dialect = self.db.engine.dialect
 
-        def charged(new: set[str]) -> tuple[list[Charge], list[Charge]]:
+        def inserted(new: set[str]) -> list[bool]:
+            """Whether each row was inserted now: the first of its id among those new (a batch may hold one record
+            twice: a line answered again after a restart, beside the first answer replayed)."""
+            seen: set[str] = set()
+            out = []
+            for r in rows:
+                ident = r["record_id"]
+                out.append(ident in new and ident not in seen)
+                seen.add(ident)
+            return out
+
+        def charged(now: list[bool]) -> tuple[list[Charge], list[Charge]]:
             applied: list[Charge] = []
             dropped: list[Charge] = []
-            for r in rows:
-                (applied if r["record_id"] in new else dropped).extend(Charge.of(c) for c in r.get("charges") or ())
+            for r, new in zip(rows, now):
+                (applied if new else dropped).extend(Charge.of(c) for c in r.get("charges") or ())
             return applied, dropped
 
-        def stored(new: set[str]) -> list[dict[str, Any]]:  # the decisions kept with the rows inserted now
-            return [r["decision"] for r in rows if r["record_id"] in new and r.get("decision")]
+        def kept(connection: Connection, now: list[bool]) -> None:
+            """What the rows inserted now carry: the decisions they keep, the batch lines they answered."""
+            insert_decisions(connection, [r["decision"] for r, new in zip(rows, now) if new and r.get("decision")])
+            lines: dict[str, list[tuple[int, bool, Any]]] = {}
+            for r, new in zip(rows, now):
+                if new and r.get("batch_line") and r.get("batch_id"):
+                    line, ok, body = r["batch_line"]
+                    lines.setdefault(r["batch_id"], []).append((int(line), bool(ok), body))
+            for batch_id, answered in lines.items():
+                put_results(connection, batch_id, answered, replace=True)
 
         if self.db.writer is not None:  # SQLite: the whole transaction in a thread, the file's lock held briefly
             def run(connection: Connection) -> tuple[list[Charge], list[Charge]]:
-                new = insert_new_sqlite(connection, fitted, values_of(fitted, dialect))
-                charges = charged(new)
+                now = inserted(insert_new_sqlite(connection, fitted, values_of(fitted, dialect)))
+                charges = charged(now)
                 apply_charges(connection, charges[0])
-                insert_decisions(connection, stored(new))
+                kept(connection, now)
                 return charges
 
             return await self.db.write(run)
@@ -301,12 +326,13 @@ class UsageWriter:
             values += values_of(fitted[start:start + USAGE_SLICE], dialect)
             await asyncio.sleep(0)
         async with self.db.session() as session, session.begin():
-            new = await insert_new_postgres(session, values)
-            charges, decisions = charged(new), stored(new)
+            now = inserted(await insert_new_postgres(session, values))
+            charges = charged(now)
+            connection = await session.connection()
             if charges[0]:
-                await (await session.connection()).run_sync(apply_charges, charges[0])
-            if decisions:
-                await (await session.connection()).run_sync(insert_decisions, decisions)
+                await connection.run_sync(apply_charges, charges[0])
+            if any(now):
+                await connection.run_sync(kept, now)
         return charges
 
     async def aclose(self) -> None:
@@ -345,9 +371,7 @@ class UsageWriter:
             await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
 
     async def purge(self) -> int:
-        """Delete rows older than ``retention_days``, and stored decisions past their own retention; returns how
-        many usage rows."""
-        await DecisionStore(self.db).purge()
+        """Delete rows older than ``retention_days``; returns how many."""
         if self.retention_days is None:
             return 0
         cutoff = datetime.now(timezone.utc) - timedelta(days=self.retention_days)

@@ -29,10 +29,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import Field, field_validator
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
 
 from ..dialects import openai as openai_dialect
 from ..dialects.common import StrictModel, validate_body
-from ..errors import DecisionError, InvalidRequest, NotFound, invalid
+from ..errors import ClientGone, DecisionError, InvalidRequest, NotFound, invalid
 from ..gateway.types import Caller
 from ..limits import (
     BATCH_LIST_MAX,
@@ -83,12 +84,21 @@ def _page(rows: list[Any], limit: int, shape: Any) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
 
+def _whole(value: Any, low: int, high: int) -> int | None:
+    """``value`` as a whole number from ``low`` to ``high`` (ASCII digits only), else None."""
+    if not isinstance(value, str) or not value.isascii() or not value.isdigit() or len(value) > 12:
+        return None
+    number = int(value)
+    return number if low <= number <= high else None
+
+
 def _limit(value: str | None, default: int, most: int) -> int:
     if value is None:
         return default
-    if not value.isdigit() or not 1 <= int(value) <= most:
+    number = _whole(value, 1, most)
+    if number is None:
         raise invalid(f"limit must be a whole number from 1 to {most}", "limit")
-    return int(value)
+    return number
 
 
 # Files
@@ -111,6 +121,13 @@ async def _owned_file(request: Request, file_id: str) -> tuple[BatchRunner, Stor
 
 @router.post("/files")
 async def create_file(request: Request) -> JSONResponse:
+    try:
+        return await _create_file(request)
+    except ClientDisconnect:  # gone while sending the file: nothing to answer
+        return JSONResponse(None, status_code=ClientGone.status)
+
+
+async def _create_file(request: Request) -> JSONResponse:
     try:
         caller = await authenticate(request)
         runner = _runner(request)
@@ -170,6 +187,9 @@ async def file_content(request: Request, file_id: str) -> Response:
 async def delete_file(request: Request, file_id: str) -> JSONResponse:
     try:
         runner, row = await _owned_file(request, file_id)
+        if await runner.store.in_use(row.id):
+            raise InvalidRequest(f"the file {row.id} is the input of a batch that is not done: cancel the batch "
+                                 "first", ("file_id",), code="file_in_use", status=409)
     except DecisionError as error:
         return _error(error)
     await runner.store.delete_file(row.id)
@@ -244,10 +264,11 @@ def _expires_after(form: Any) -> int:
         return BATCH_FILE_EXPIRES_S
     if anchor != "created_at":
         raise invalid("expires_after.anchor must be 'created_at'", "expires_after", "anchor")
-    if not isinstance(seconds, str) or not seconds.isdigit() or not EXPIRES_MIN_S <= int(seconds) <= EXPIRES_MAX_S:
+    number = _whole(seconds, EXPIRES_MIN_S, EXPIRES_MAX_S)
+    if number is None:
         raise invalid(f"expires_after.seconds must be a whole number from {EXPIRES_MIN_S} to {EXPIRES_MAX_S}",
                       "expires_after", "seconds")
-    return int(seconds)
+    return number
 
 
 def _check_and_copy(source: IO[bytes], folder: Path, name: str, max_line_bytes: int,
@@ -379,6 +400,13 @@ async def _owned_batch(request: Request, batch_id: str) -> tuple[BatchRunner, Ba
 
 @router.post("/batches")
 async def create_batch(request: Request) -> JSONResponse:
+    try:
+        return await _create_batch(request)
+    except ClientDisconnect:
+        return JSONResponse(None, status_code=ClientGone.status)
+
+
+async def _create_batch(request: Request) -> JSONResponse:
     try:
         caller = await authenticate(request)
         runner = _runner(request)

@@ -46,7 +46,7 @@ from ..errors import DecisionError, one_line
 from ..gateway.service import Gateway
 from ..gateway.settings import BatchesConfig
 from ..gateway.types import Caller, Context
-from ..limits import BATCH_FLUSH_LINES, BATCH_FLUSH_S, BATCH_MAX_ERRORS, BATCH_POLL_S
+from ..limits import BATCH_FLUSH_LINES, BATCH_FLUSH_S, BATCH_MAX_AHEAD, BATCH_MAX_ERRORS, BATCH_POLL_S
 from ..store.batches import BatchStore, Result, runner_name
 from ..store.tables import BatchJob, StoredFile
 from .middleware import INTERNAL_ERROR
@@ -65,6 +65,8 @@ CALLER_CHECK_S = 5.0
 WARM_INPUTS = 4096
 # How often files past their expires_at are deleted.
 FILE_EXPIRY_SCAN_S = 60.0
+# How old a temporary file of a finalizing must be before housekeeping deletes it.
+TEMPORARY_TTL_S = 3600.0
 # How long a stopping runner lets the lines in flight finish before it cancels them.
 STOP_GRACE_S = 5.0
 
@@ -99,6 +101,8 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._stopping = False
         self._running: dict[str, asyncio.Task[None]] = {}
+        # Batches of this process found cancelled by the lease renewal (their lines waiting on a limit stop waiting).
+        self._cancelling: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -119,10 +123,18 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._running:
-            await asyncio.wait(list(self._running.values()), timeout=STOP_GRACE_S + 5)
+            tasks = list(self._running.values())
+            _, late = await asyncio.wait(tasks, timeout=STOP_GRACE_S + 5)
+            for task in late:  # their leases are given back as they stop (``_run``)
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
 
     async def _loop(self) -> None:
         renewed = expired = 0.0
+        usage = self.gateway.usage
+        if usage is not None:  # a dead process's answered lines reach the database before any line is answered again
+            await usage.replayed.wait()
         while not self._stopping:
             try:
                 while len(self._running) < self.config.max_running:
@@ -134,6 +146,7 @@ class BatchRunner:
                 if self.clock() - renewed >= self.config.lease_s / 3:
                     renewed = self.clock()
                     held = await self.store.renew(list(self._running), self.name, renewed + self.config.lease_s)
+                    self._cancelling = {ident for ident, status in held.items() if status == "cancelling"}
                     for ident, task in list(self._running.items()):
                         if ident not in held:  # taken by another process: this one stops
                             task.cancel()
@@ -149,11 +162,21 @@ class BatchRunner:
                 await asyncio.wait_for(self._wake.wait(), min(BATCH_POLL_S, self.config.lease_s / 3))
 
     async def _expire_files(self) -> None:
+        """Housekeeping: files past their ``expires_at`` (not while an active batch reads them), answered lines
+        left behind by finished batches, and temporary files of a finalizing that was killed."""
         for file_id in await self.store.expired_files(int(self.clock())):
-            await self.store.delete_file(file_id)
+            if not await self.store.in_use(file_id):
+                await self.store.delete_file(file_id)
+        await self.store.sweep()
+        for leftover in self.store.folder.glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - leftover.stat().st_mtime > TEMPORARY_TTL_S:
+                    leftover.unlink()
 
     async def _run(self, job: BatchJob) -> None:
         try:
+            if job.status in ("validating", "in_progress") and self.clock() >= job.expires_at:
+                job = await self._set(job, status="finalizing", finalizing_at=int(self.clock()))
             if job.status == "validating":
                 job = await self._validate(job)
             if job.status == "in_progress":
@@ -230,23 +253,29 @@ class BatchRunner:
         if source is None:
             return await self._missing(job)
         route = ENDPOINTS[job.endpoint]
-        done = await self.store.done_from(job.id, job.next_line)
+        done = _Ahead(self.store.done_lines(job.id, job.next_line))
         slots = asyncio.Semaphore(self.config.concurrency)
-        pending: set[int] = set()
+        pending: set[int] = set()  # lines in flight
+        abandoned: set[int] = set()  # lines stopped unanswered (stopping, cancelled, expired): not done
         tasks: set[asyncio.Task[None]] = set()
         answered: list[Result] = []
+        progress = asyncio.Event()
         cursor = job.next_line
         status = job.status
         flushed = checked = time.monotonic()
         caller = await self._caller(job)
         read_all = False
 
+        def going() -> bool:
+            return not (self._stopping or status == "cancelling" or job.id in self._cancelling
+                        or self.clock() >= job.expires_at)
+
         async def flush() -> None:
             nonlocal status, flushed
             group = list(answered)
             answered.clear()
             flushed = time.monotonic()
-            saved = await self.store.save(job.id, self.name, group, min(pending, default=cursor))
+            saved = await self.store.save(job.id, self.name, group, min(pending | abandoned, default=cursor))
             if saved is None:
                 raise Stopped()
             status = saved
@@ -262,6 +291,7 @@ class BatchRunner:
             item = orjson.loads(raw)
             key = _input_key(item["body"])
             mine: asyncio.Future[None] | None = None
+            result: Result | None = None
             try:
                 if key is not None and key not in warm:
                     ahead = first.get(key)
@@ -269,13 +299,13 @@ class BatchRunner:
                         first[key] = mine = asyncio.get_running_loop().create_future()
                     else:
                         await asyncio.shield(ahead)
-                answered.append(await self._line(job, route, n, item, caller))
-            except Stopped:  # stopping while the line waits out a rate limit: left for the next process
+                result = await self._line(job, route, n, item, caller, going)
+            except Stopped:  # stopped while the line waited out a limit: left for later
                 pass
             except Exception:  # a fault outside the pipeline (which answers its own): the line's answer is a 500
                 log.exception("batch %s line %d", job.id, n + 1)
-                status, body = route.early_error(INTERNAL_ERROR, None)
-                answered.append(_result(n, request_id(job.id, n), item.get("custom_id"), status, body, None))
+                status_code, body = route.early_error(INTERNAL_ERROR, None)
+                result = _result(n, request_id(job.id, n), item.get("custom_id"), status_code, body, None)
             finally:
                 if mine is not None and key is not None:
                     mine.set_result(None)
@@ -283,20 +313,42 @@ class BatchRunner:
                     warm[key] = None
                     if len(warm) > WARM_INPUTS:
                         warm.popitem(last=False)
+                if result is not None:
+                    answered.append(result)
+                else:  # cancelled or stopped: not done, so the stored progress stays before it
+                    abandoned.add(n)
                 pending.discard(n)
                 slots.release()
+                progress.set()
 
         try:
             with self.store.path(source).open("rb") as file:
                 for n, raw in enumerate(file):
-                    if n < job.next_line or n in done or not raw.strip():
+                    if n < job.next_line or await done.has(n) or not raw.strip():
                         cursor = n + 1
                         continue
-                    await slots.acquire()
-                    if answered and (len(answered) >= BATCH_FLUSH_LINES or time.monotonic() - flushed >= BATCH_FLUSH_S):
-                        await flush()
-                    if status == "cancelling" or self._stopping or self.clock() >= job.expires_at:
-                        slots.release()
+                    # A slow line holds the stored progress back; the lines answered past it are bounded, so that
+                    # what a restart reads back (``done_lines``) stays small.
+                    while pending and n - min(pending) >= BATCH_MAX_AHEAD and going():
+                        progress.clear()
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(progress.wait(), BATCH_FLUSH_S)
+                    # A slot, looking every BATCH_FLUSH_S meanwhile at what was answered (stored) and whether to
+                    # go on (a stop, a cancel, the window's end do not wait for a slot).
+                    slot = False
+                    while going():
+                        try:
+                            slot = bool(await asyncio.wait_for(slots.acquire(), BATCH_FLUSH_S))
+                        except asyncio.TimeoutError:
+                            pass
+                        if answered and (len(answered) >= BATCH_FLUSH_LINES
+                                         or time.monotonic() - flushed >= BATCH_FLUSH_S):
+                            await flush()
+                        if slot:
+                            break
+                    if not slot or not going():
+                        if slot:
+                            slots.release()
                         break
                     if time.monotonic() - checked >= CALLER_CHECK_S:  # a key revoked meanwhile is seen
                         checked, caller = time.monotonic(), await self._caller(job)
@@ -307,12 +359,16 @@ class BatchRunner:
                     task.add_done_callback(tasks.discard)
                 else:
                     read_all = True
-            if tasks:
-                _, late = await asyncio.wait(set(tasks), timeout=STOP_GRACE_S if self._stopping else None)
-                for task in late:
-                    task.cancel()
-                if late:
-                    await asyncio.wait(late)
+            while tasks:
+                _, late = await asyncio.wait(set(tasks), timeout=BATCH_FLUSH_S)
+                if answered:
+                    await flush()  # also tells of a cancel, which stops the lines that wait on a limit
+                if late and self._stopping:
+                    _, late = await asyncio.wait(late, timeout=STOP_GRACE_S)
+                    for task in late:
+                        task.cancel()
+                    if late:
+                        await asyncio.wait(late)
             await flush()
         except BaseException:
             for task in tasks:
@@ -320,15 +376,17 @@ class BatchRunner:
             raise
         if self._stopping:
             raise Stopped()
-        if status == "cancelling":
+        if status == "cancelling" or job.id in self._cancelling:
             return await self._current(job)
-        if read_all or self.clock() >= job.expires_at:
+        if (read_all and not abandoned) or self.clock() >= job.expires_at:
             return await self._set(job, status="finalizing", finalizing_at=int(self.clock()))
         return job
 
     async def _line(self, job: BatchJob, route: DecisionRoute, n: int, item: dict[str, Any],
-                    caller: Caller | DecisionError) -> Result:
-        """One line answered as ``POST <endpoint>`` answers it, its usage recorded once it is final."""
+                    caller: Caller | DecisionError, going: Callable[[], bool]) -> Result:
+        """One line answered as ``POST <endpoint>`` answers it, its usage recorded once it is final (with the
+        line's answer: ``usage_writer`` stores it with the row, so that the answer kept is the one charged).
+        ``Stopped`` when ``going()`` turns false while the line waits out a limit."""
         custom_id, document = item["custom_id"], item["body"]
         ident = request_id(job.id, n)
         if isinstance(caller, DecisionError):
@@ -341,24 +399,35 @@ class BatchRunner:
             answer = await respond(self.gateway, dialect, context, document, None, {})
             wait = _retry_after(answer.status, answer.headers)
             if wait is not None:
-                if self._stopping:
-                    raise Stopped()
-                await asyncio.sleep(wait)
+                deadline = time.monotonic() + wait
+                while time.monotonic() < deadline:
+                    if not going():
+                        raise Stopped()
+                    await asyncio.sleep(min(1.0, deadline - time.monotonic()))
                 continue
+            result = _result(n, ident, custom_id, answer.status, answer.body, answer.result)
+            context.batch_line = (n, result.ok, result.body)
             self.gateway.record("batch", context, answer.status, answer.error_code, answer.result, document,
                                 answer.body)
-            return _result(n, ident, custom_id, answer.status, answer.body, answer.result)
+            return result
 
     async def _finalize(self, job: BatchJob) -> None:
         """Write the output and error files in line order, then the batch's final state with them, at once."""
-        job = await self.store.batch(job.id) or job  # its counts as saved
+        job = await self._current(job)
         source = await self.store.file(job.input_file_id)
         now = int(self.clock())
-        state = "cancelled" if job.status == "cancelling" else "expired" if (
-            job.completed + job.failed < job.total and now >= job.expires_at) else "completed"
+        completed, failed = await self.store.counts(job.id)  # the answers kept: those whose usage rows were written
+        short = completed + failed < job.total
+        if short and job.status == "finalizing" and now < job.expires_at:  # never: a line was left behind
+            log.error("batch %s has %d of %d lines answered at its end: answering the others",
+                      job.id, completed + failed, job.total)
+            await self._set(job, status="in_progress", next_line=0)
+            return
+        state = "cancelled" if job.status == "cancelling" else "expired" if short else "completed"
         folder = self.store.folder
-        files = {kind: _Output(output_id(job.id, kind), folder / f".{output_id(job.id, kind)}.{os.getpid()}.tmp")
-                 for kind in ("output", "error")}
+        attempt = os.urandom(4).hex()  # a file of this attempt's own: another process's never overwrites it
+        files = {kind: _Output(output_id(job.id, kind), folder / f".{output_id(job.id, kind)}.{attempt}.tmp",
+                               f"{output_id(job.id, kind)}.{attempt}.jsonl") for kind in ("output", "error")}
         try:
             expired = await self._write_files(job, source if state == "expired" else None, files)
         except BaseException:
@@ -372,19 +441,20 @@ class BatchRunner:
             if not output.lines:
                 output.temporary.unlink(missing_ok=True)
                 continue
-            output.temporary.replace(folder / f"{output.id}.jsonl")
+            output.temporary.replace(folder / output.name)
             rows.append(StoredFile(id=output.id, key_id=job.key_id, filename=f"batch_{job.id}_{kind}.jsonl",
                                    purpose="batch_output", bytes=output.bytes, lines=output.lines,
-                                   path=f"{output.id}.jsonl", created_at=now, expires_at=None))
-        values: dict[str, Any] = {"status": state, f"{state}_at": now,
+                                   path=output.name, created_at=now, expires_at=None))
+        values: dict[str, Any] = {"status": state, f"{state}_at": now, "completed": completed,
+                                  "failed": failed + expired,
                                   "output_file_id": files["output"].id if files["output"].lines else None,
                                   "error_file_id": files["error"].id if files["error"].lines else None}
-        if expired:
-            values["failed"] = job.failed + expired
         if not await self.store.finish(job.id, self.name, rows, values):
+            for output in files.values():
+                (folder / output.name).unlink(missing_ok=True)
             raise Stopped()
-        log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": job.completed,
-                                                       "failed": values.get("failed", job.failed)})
+            log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": completed,
+                                                       "failed": failed + expired})
 
     async def _write_files(self, job: BatchJob, expired_from: StoredFile | None, files: dict[str, _Output]) -> int:
         """The stored lines into the output and error files, in line order; with ``expired_from`` (the input of a
@@ -408,12 +478,27 @@ class BatchRunner:
         return expired
 
 
-class _Output:
-    """An output or error file being written under a temporary name: its id, lines and bytes so far."""
+class _Ahead:
+    """An ascending iterator of line numbers, asked in ascending order whether it holds a given one."""
 
-    def __init__(self, ident: str, temporary: Path):
+    def __init__(self, lines: Any):
+        self.lines = lines
+        self.head: int | None = -1
+
+    async def has(self, n: int) -> bool:
+        while self.head is not None and self.head < n:
+            self.head = await anext(self.lines, None)
+        return self.head == n
+
+
+class _Output:
+    """An output or error file being written under a temporary name: its id, its final name, lines and bytes so
+    far."""
+
+    def __init__(self, ident: str, temporary: Path, name: str):
         self.id = ident
         self.temporary = temporary
+        self.name = name  # its name in the files folder once written
         self.handle: IO[bytes] | None = temporary.open("wb")
         self.lines = self.bytes = 0
 

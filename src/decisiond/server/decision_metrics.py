@@ -9,7 +9,12 @@ hold, how often a model refuses a question, and how many of a cascade's question
 - ``decisiond_decision_refusals`` (model, question): questions the model refused to answer (no probabilities: not in
   the histograms, so that the refusal rate is refusals ÷ (refusals + the confidence histogram's count));
 - ``decisiond_cascade_questions`` and ``decisiond_cascade_escalated`` (cascade, step, model): the questions each step
-  of a cascade answered, and those of them below its threshold, sent on to a later step.
+  of a cascade answered, and those of them below its threshold, sent on to a later step;
+- ``decisiond_decision_accuracy``, ``decisiond_decision_ece`` and ``decisiond_decision_labels`` (gauges; model,
+  question): for a model with stored decisions (``store: true``), over its newest ``DECISION_QUALITY_WINDOW``
+  labelled decisions, the accuracy of the answers served, their expected calibration error (``ECE_BINS`` bins) and
+  how many labels that is (``LabelQuality``: read from the database at most every ``DECISION_QUALITY_REFRESH_S``,
+  when ``/metrics`` is scraped; question names bounded as above, the most labelled first).
 
 Every answer a pipeline gives is recorded once, in the one place all routes and dialects pass through
 (``Pipeline.observer``), cache hits included: the metrics describe what clients were answered. ``model`` is the
@@ -22,16 +27,25 @@ two histogram observations.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..canonical import DecisionRequest, DecisionResult
 from ..gateway import pipeline
 from ..gateway.cascade import Step, confidence
 from ..gateway.catalog import Catalog
+from ..gateway.decisions import QuestionQuality, quality
 from ..gateway.types import Context
-from ..limits import DEFAULT_QUESTION_LABELS
+from ..limits import DECISION_QUALITY_REFRESH_S, DECISION_QUALITY_WINDOW, DEFAULT_QUESTION_LABELS
+
+if TYPE_CHECKING:
+    from ..gateway.service import Gateway
 
 log = logging.getLogger("decisiond.server")
 
@@ -133,3 +147,55 @@ class DecisionMetrics(pipeline.Observer):
         children[0].inc(step.questions)
         if step.escalated:
             children[1].inc(step.escalated)
+
+
+class LabelQuality(Collector):
+    """The rolling accuracy and ECE of each stored model's labelled decisions, per question, as gauges: computed
+    from the database by ``refresh`` (the ``/metrics`` route awaits it; at most once every
+    ``DECISION_QUALITY_REFRESH_S``), read by ``collect``."""
+
+    def __init__(self, gateway: "Gateway", question_labels: int = DEFAULT_QUESTION_LABELS,
+                 window: int = DECISION_QUALITY_WINDOW):
+        self.gateway = gateway
+        self.question_labels = question_labels
+        self.window = window
+        self.snapshot: dict[tuple[str, str], QuestionQuality] = {}
+        self.refreshed = float("-inf")
+
+    async def refresh(self) -> None:
+        store = self.gateway.decisions
+        if store is None or not self.gateway.stored_models or \
+                time.monotonic() - self.refreshed < DECISION_QUALITY_REFRESH_S:
+            return
+        self.refreshed = time.monotonic()
+        snapshot = {}
+        try:
+            for model in self.gateway.stored_models:
+                rows = await store.labelled(model, self.window)
+                named = Tally(name for _, _, labels in rows for name in labels)
+                kept = {name for name, _ in named.most_common(self.question_labels)}
+                renamed = [([{**q, "name": q["name"] if q["name"] in kept or q["name"] is None else OTHER}
+                             for q in questions], answers,
+                            {(name if name in kept else OTHER): value for name, value in labels.items()})
+                           for questions, answers, labels in rows]
+                for name, measured in quality(renamed).items():
+                    snapshot[model, name] = measured
+        except Exception:  # the database: the last snapshot stays
+            log.warning("decision quality not read from the database", exc_info=True)
+            return
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        accuracy = GaugeMetricFamily("decisiond_decision_accuracy", "Accuracy of the answers served, over the "
+                                     "newest labelled stored decisions", labels=["model", "question"])
+        ece = GaugeMetricFamily("decisiond_decision_ece", "Expected calibration error of the answers served, over "
+                                "the newest labelled stored decisions", labels=["model", "question"])
+        labels = GaugeMetricFamily("decisiond_decision_labels", "Labelled stored decisions the accuracy and ECE are "
+                                   "computed over", labels=["model", "question"])
+        for (model, name), measured in sorted(self.snapshot.items()):
+            accuracy.add_metric([model, name], measured.accuracy)
+            ece.add_metric([model, name], measured.ece)
+            labels.add_metric([model, name], measured.labels)
+        yield accuracy
+        yield ece
+        yield labels

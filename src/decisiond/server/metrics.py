@@ -32,7 +32,7 @@ from ..gateway.catalog import Target
 from ..gateway.router import Observer, Router
 from ..gateway.service import Gateway
 from ..limits import DEFAULT_QUESTION_LABELS
-from .decision_metrics import DecisionMetrics
+from .decision_metrics import DecisionMetrics, LabelQuality
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a tiny model answers in milliseconds, a CPU batch or an upstream in seconds.
@@ -184,8 +184,11 @@ class Metrics(Observer):
         router.observer = self
         question_labels = gateway.config.metrics.question_labels if gateway is not None else DEFAULT_QUESTION_LABELS
         self.decisions = DecisionMetrics(r, router.catalog, question_labels)
+        self.label_quality: LabelQuality | None = None
         if gateway is not None:
             gateway.pipeline.observer = self.decisions
+            self.label_quality = LabelQuality(gateway, question_labels)
+            r.register(self.label_quality)
 
     # ---- the router's observer
 

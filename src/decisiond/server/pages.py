@@ -91,4 +91,6 @@ async def metrics_route(request: Request) -> Response:
             gateway.auth.require_master(caller)
     except DecisionError as error:
         return error_response(openai_dialect.render_error(error), error.headers)
+    if metrics.label_quality is not None:
+        await metrics.label_quality.refresh()
     return Response(metrics.render(), media_type=CONTENT_TYPE)

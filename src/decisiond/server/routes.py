@@ -142,11 +142,20 @@ async def serve(request: Request, route: DecisionRoute) -> JSONResponse:
     context = Context(request.state.request_id, dialect.operation, dialect.name, caller,
                       strict_model=dialect.strict_model, request_headers=request.headers)
     answer = await respond(gateway, dialect, context, payload.document, payload.files, fields, request)
+    if answer.status == ClientGone.status:
+        response = JSONResponse(None, status_code=ClientGone.status)
+    else:
+        try:
+            response = error_response((answer.status, answer.body), answer.headers)
+        except Exception:  # a body JSON cannot carry (a NaN): a fault, answered in the caller's dialect
+            log.exception("unrenderable answer", extra={"request_id": context.request_id})
+            fields["error_code"] = INTERNAL_ERROR.code
+            status, rendered = dialect.render_error(INTERNAL_ERROR, payload.document)
+            answer = Answer(status, rendered, {}, error_code=INTERNAL_ERROR.code)
+            response = error_response((status, rendered))
     gateway.record(route.request_type, context, answer.status, answer.error_code, answer.result, payload.document,
                    answer.body)
-    if answer.status == ClientGone.status:
-        return JSONResponse(None, status_code=ClientGone.status)
-    return error_response((answer.status, answer.body), answer.headers)
+    return response
 
 
 @dataclass

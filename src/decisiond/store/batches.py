@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 
 from .db import Database, data_directory, sqlite_file
@@ -43,18 +44,31 @@ class Result:
     output_tokens: int = 0
 
 
+def _machine() -> str:
+    """What tells this process's process table from another's: the host name, the kernel's boot id and the PID
+    namespace (two containers may share a host name, never both of the others)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        boot = namespace = "?"
+    return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
 def runner_name() -> str:
-    """This process's name as a lease holder: ``host:pid:random``."""
-    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+    """This process's name as a lease holder: ``machine:pid:random``."""
+    return f"{_machine()}:{os.getpid()}:{os.urandom(4).hex()}"
 
 
 def _holder_gone(runner: str | None) -> bool:
-    """Whether a lease holder is a process of this host that has died (its lease need not run out)."""
+    """Whether a lease holder is a process of this process table that has died (its lease need not run out)."""
     if not runner:
         return True
-    host, _, rest = runner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+    parts = runner.rsplit(":", 2)
+    if len(parts) != 3:
+        return False
+    machine, pid, _ = parts
+    if machine != _machine() or "?" in machine or not pid.isdigit() or int(pid) == os.getpid():
         return False
     try:
         os.kill(int(pid), 0)
@@ -180,15 +194,14 @@ class BatchStore:
                 return await self.batch(batch_id)
         return None
 
-    async def renew(self, batch_ids: list[str], runner: str, until: float) -> set[str]:
-        """Extend ``runner``'s leases; the ids it still holds."""
-        def run(connection: Connection) -> set[str]:
-            connection.execute(update(BatchJob).where(BatchJob.id.in_(batch_ids), BatchJob.runner == runner)
-                               .values(lease_until=until))
-            return set(connection.execute(select(BatchJob.id).where(BatchJob.id.in_(batch_ids),
-                                                                    BatchJob.runner == runner)).scalars())
+    async def renew(self, batch_ids: list[str], runner: str, until: float) -> dict[str, str]:
+        """Extend ``runner``'s leases; the batches it still holds, with their statuses."""
+        def run(connection: Connection) -> dict[str, str]:
+            rows = connection.execute(update(BatchJob).where(BatchJob.id.in_(batch_ids), BatchJob.runner == runner)
+                                      .values(lease_until=until).returning(BatchJob.id, BatchJob.status)).all()
+            return {str(r[0]): str(r[1]) for r in rows}
 
-        return await self.db.write(run) if batch_ids else set()
+        return await self.db.write(run) if batch_ids else {}
 
     async def release(self, batch_id: str, runner: str) -> None:
         def run(connection: Connection) -> None:
@@ -209,31 +222,63 @@ class BatchStore:
     async def save(self, batch_id: str, runner: str, results: list[Result], next_line: int) -> str | None:
         """Store answered lines and the batch's progress in one transaction, while ``runner`` holds the batch: its
         status then (``cancelling`` when it was cancelled meanwhile), or None when the lease is lost (nothing is
-        stored: another process runs the batch)."""
+        stored: another process runs the batch). The lease is checked by the update that takes the row's lock, so
+        no other process can claim the batch before this transaction ends. A line already stored (by the usage
+        writer, with the usage row of the answer that was charged: ``put_results``) keeps that answer."""
         def run(connection: Connection) -> str | None:
-            status = connection.execute(select(BatchJob.status).where(
-                BatchJob.id == batch_id, BatchJob.runner == runner)).scalar_one_or_none()
-            if status is None:
-                return None
-            if results:
-                connection.execute(BatchResult.__table__.insert(), [
-                    {"batch_id": batch_id, "line": r.line, "ok": r.ok, "body": r.body} for r in results])
-            connection.execute(update(BatchJob).where(BatchJob.id == batch_id).values(
+            status = connection.execute(update(BatchJob).where(
+                BatchJob.id == batch_id, BatchJob.runner == runner).values(
                 next_line=next_line,
                 completed=BatchJob.completed + sum(r.ok for r in results),
                 failed=BatchJob.failed + sum(not r.ok for r in results),
                 input_tokens=BatchJob.input_tokens + sum(r.input_tokens for r in results),
                 cached_tokens=BatchJob.cached_tokens + sum(r.cached_tokens for r in results),
-                output_tokens=BatchJob.output_tokens + sum(r.output_tokens for r in results)))
+                output_tokens=BatchJob.output_tokens + sum(r.output_tokens for r in results))
+                .returning(BatchJob.status)).scalar_one_or_none()
+            if status is None:
+                return None
+            put_results(connection, batch_id, [(r.line, r.ok, r.body) for r in results], replace=False)
             return str(status)
 
         return await self.db.write(run)
 
-    async def done_from(self, batch_id: str, line: int) -> set[int]:
-        """The answered lines at or past ``line`` (past the batch's ``next_line``: at most a window of them)."""
+    async def done_lines(self, batch_id: str, start: int) -> AsyncIterator[int]:
+        """The answered lines at or past ``start``, in order, a page at a time."""
+        last = start - 1
+        while True:
+            async with self.db.session() as session:
+                page = (await session.scalars(select(BatchResult.line).where(
+                    BatchResult.batch_id == batch_id, BatchResult.line > last).order_by(BatchResult.line)
+                    .limit(RESULT_PAGE))).all()
+            for line in page:
+                yield line
+            if len(page) < RESULT_PAGE:
+                return
+            last = page[-1]
+
+    async def counts(self, batch_id: str) -> tuple[int, int]:
+        """(answered, failed) lines stored for the batch."""
         async with self.db.session() as session:
-            return set((await session.scalars(select(BatchResult.line).where(
-                BatchResult.batch_id == batch_id, BatchResult.line >= line))).all())
+            rows = (await session.execute(select(BatchResult.ok, func.count()).where(
+                BatchResult.batch_id == batch_id).group_by(BatchResult.ok))).all()
+        by = {bool(ok): int(n) for ok, n in rows}
+        return by.get(True, 0), by.get(False, 0)
+
+    async def in_use(self, file_id: str) -> bool:
+        """Whether an active batch reads the file."""
+        async with self.db.session() as session:
+            return (await session.scalar(select(func.count()).select_from(BatchJob).where(
+                BatchJob.input_file_id == file_id, BatchJob.status.in_(ACTIVE)))) > 0
+
+    async def sweep(self) -> int:
+        """Delete answered lines left behind by finished batches (a usage record written after its batch was);
+        how many."""
+        def run(connection: Connection) -> int:
+            finished = select(BatchJob.id).where(BatchJob.status.in_(FINAL))
+            return int(connection.execute(delete(BatchResult).where(BatchResult.batch_id.in_(finished))).rowcount
+                       or 0)
+
+        return await self.db.write(run)
 
     async def results(self, batch_id: str) -> AsyncIterator[BatchResult]:
         """The batch's answered lines in line order, a page at a time."""
@@ -251,22 +296,34 @@ class BatchStore:
 
     async def finish(self, batch_id: str, runner: str, files: list[StoredFile], values: dict[str, Any]) -> bool:
         """The batch's files recorded and its final state set, its answered lines deleted, its lease released: one
-        transaction, while ``runner`` holds it. Whether it did."""
+        transaction, while ``runner`` holds it (checked by the update that takes the row's lock). Whether it did."""
         def run(connection: Connection) -> bool:
-            held = connection.execute(select(func.count()).select_from(BatchJob).where(
-                BatchJob.id == batch_id, BatchJob.runner == runner)).scalar_one()
-            if not held:
+            held = connection.execute(update(BatchJob).where(BatchJob.id == batch_id, BatchJob.runner == runner)
+                                      .values(**values, runner=None, lease_until=None)
+                                      .returning(BatchJob.id)).scalar_one_or_none()
+            if held is None:
                 return False
             for row in files:
-                there = connection.execute(select(StoredFile.id).where(StoredFile.id == row.id)).first()
-                if there is None:
-                    connection.execute(StoredFile.__table__.insert(), [_columns(row)])
-            connection.execute(update(BatchJob).where(BatchJob.id == batch_id).values(
-                **values, runner=None, lease_until=None))
+                connection.execute(StoredFile.__table__.insert(), [_columns(row)])
             connection.execute(delete(BatchResult).where(BatchResult.batch_id == batch_id))
             return True
 
         return await self.db.write(run)
+
+
+def put_results(connection: Connection, batch_id: str, lines: list[tuple[int, bool, Any]], replace: bool) -> None:
+    """Insert answered lines of a batch, in ``connection``'s transaction; a line already there is replaced
+    (``replace``: the line of the usage record that was written, which is the answer charged) or kept."""
+    if not lines:
+        return
+    values = [{"batch_id": batch_id, "line": line, "ok": ok, "body": body} for line, ok, body in lines]
+    insert = (postgresql.insert if connection.dialect.name == "postgresql" else sqlite.insert)(BatchResult)
+    if replace:
+        statement = insert.on_conflict_do_update(index_elements=["batch_id", "line"],
+                                                 set_={"ok": insert.excluded.ok, "body": insert.excluded.body})
+    else:
+        statement = insert.on_conflict_do_nothing(index_elements=["batch_id", "line"])
+    connection.execute(statement, values)
 
 
 def _columns(row: StoredFile) -> dict[str, Any]:

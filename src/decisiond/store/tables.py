@@ -43,7 +43,8 @@ class UsageRow(Base):
     __table_args__ = (Index("ix_usage_time", "time"), Index("ix_usage_key_time", "key_id", "time"),
                       Index("ix_usage_type_time", "request_type", "time"),
                       Index("ix_usage_request_id", "request_id"),
-                      Index("ux_usage_record_id", "record_id", unique=True))
+                      Index("ux_usage_record_id", "record_id", unique=True),
+                      Index("ix_usage_batch", "batch_id"))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     # Unique per record (several rows may share a request id): a replayed journal inserts each record once.

@@ -63,7 +63,11 @@ def insert_new_sqlite(connection: Connection, rows: list[dict[str, Any]], values
     marks = ", ".join("?" for _ in ids)
     there = {r[0] for r in connection.exec_driver_sql(
         f"SELECT record_id FROM usage WHERE record_id IN ({marks})", tuple(ids)).all()}
-    fresh = [tuple(v) for v, ident in zip(values, ids) if ident not in there]
+    fresh, taken = [], set(there)
+    for v, ident in zip(values, ids):
+        if ident not in taken:  # one record twice in a batch (a replay beside a new answer): the first goes in
+            taken.add(ident)
+            fresh.append(tuple(v))
     if fresh:
         connection.exec_driver_sql(_SQLITE, fresh)
     return {ident for ident in ids if ident not in there}

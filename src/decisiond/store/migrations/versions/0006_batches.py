@@ -17,6 +17,7 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("usage", sa.Column("batch_id", sa.String(64), nullable=True))
+    op.create_index("ix_usage_batch", "usage", ["batch_id"])
     op.create_table(
         "files",
         sa.Column("id", sa.String(64), primary_key=True),
@@ -74,5 +75,6 @@ def downgrade() -> None:
     op.drop_table("batches")
     op.drop_index("ix_files_key_created", "files")
     op.drop_table("files")
+    op.drop_index("ix_usage_batch", "usage")
     with op.batch_alter_table("usage") as batch:
         batch.drop_column("batch_id")
