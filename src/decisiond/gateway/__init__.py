@@ -17,8 +17,9 @@ later one (``tests/test_layers.py`` reads this list and checks it, and that no i
 5. stages: stages/
    — one module per pipeline stage (request limits, resolve, allowlist, cache, rate limits, budget, guardrails),
    and the caller's authentication.
-6. service: usage.py journal.py usage_writer.py service.py
-   — usage records, their journal and their writer; the gateway assembled (stages in order, the router last).
+6. service: usage.py journal.py usage_writer.py decisions.py service.py
+   — usage records, their journal and their writer; stored decisions and their labels; the gateway assembled
+   (stages in order, the router last).
 
 The HTTP surfaces (``decisiond.server``) sit on top and are the only callers of the service.
 """
