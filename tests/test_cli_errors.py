@@ -45,6 +45,8 @@ FILES = {
     "unset.yaml": "providers:\n  - {name: a, type: openai, base_url: 'http://x', api_key: '${DECISIOND_TEST_UNSET}'}\n",
     "not-yaml.yaml": "providers: [\n",
     "db.yaml": "database_url: sqlite:///{tmp}/folder\n",
+    "labels.jsonl": json.dumps({"request_id": "req_1", "labels": {"billing": True}}) + "\n"
+                    + json.dumps({"request_id": "req_2", "label": {"billing": True}}) + "\n",
 }
 
 MISSING = "cannot read it: No such file or directory"
@@ -129,6 +131,11 @@ CASES = [
           "{tmp}/missing/profile.json: cannot write it: the folder {tmp}/missing does not exist"),
     *(_case("keys", case, [*args, "list"], line) for case, args, line in CONFIG_CORE + DATABASE_CASES),
     *(_case("usage", *c) for c in CONFIG_CORE + DATABASE_CASES),
+    _case("labels", "missing", ["import", "{tmp}/missing.jsonl"], f"{{tmp}}/missing.jsonl: {MISSING}"),
+    _case("labels", "folder", ["import", "{tmp}/folder"], f"{{tmp}}/folder: {FOLDER}"),
+    _case("labels", "wrong-shape", ["import", "{tmp}/labels.jsonl"],
+          "{tmp}/labels.jsonl:2: labels: missing: each line holds request_id and labels"),
+    _case("labels", "not-json", ["import", "{tmp}/not-json.jsonl"], "{tmp}/not-json.jsonl:1: request_id: missing"),
     _case("bench", "out-in-missing-folder", ["--out", "{tmp}/missing/bench.md"],
           "{tmp}/missing/bench.md: cannot write it: the folder {tmp}/missing does not exist"),
     _case("bench", "json-a-folder", ["--json", "{tmp}/folder"], "{tmp}/folder: cannot write it: it is a folder"),

@@ -197,3 +197,22 @@ def test_metrics_report_accuracy_and_ece_over_the_labels(gateway):
     assert _gauge(text, "decisiond_decision_labels", "luna", "metric_billing") == 4
     assert _gauge(text, "decisiond_decision_accuracy", "luna", "metric_billing") == pytest.approx(0.75)
     assert _gauge(text, "decisiond_decision_ece", "luna", "metric_billing") == pytest.approx(0.05)
+
+
+def test_labels_import_posts_each_line_and_reports_the_refused(gateway, tmp_path):
+    from servers import run_decisiond
+
+    first = ask(gateway, ALICE, "luna", "I was charged twice.", [BILLING, TEAM])
+    second = ask(gateway, ALICE, "luna", "The app crashes on start.", [BILLING, TEAM])
+    path = tmp_path / "labels.jsonl"
+    path.write_text(json.dumps({"request_id": first, "labels": {"billing": True, "team": "payments"}}) + "\n\n"
+                    + json.dumps({"request_id": second, "labels": {"team": "finance"}}) + "\n"
+                    + json.dumps({"request_id": "req_nobody", "labels": {"billing": True}}) + "\n")
+    done = run_decisiond("labels", "import", str(path), "--url", gateway.url, "--api-key", ALICE)
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout) == {"labelled": 1, "refused": 2}
+    refusals = done.stderr.splitlines()
+    assert refusals[0].startswith(f"decisiond: {path}:3: labels.team: a label of 'team' is one of 'payments'")
+    assert refusals[1].startswith(f"decisiond: {path}:4: request_id: no stored decision 'req_nobody'")
+    assert stored(gateway.database, first)["labels"] == {"billing": True, "team": "payments"}
+    assert stored(gateway.database, second)["labels"] is None

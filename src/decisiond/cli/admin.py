@@ -1,6 +1,6 @@
-"""The administration commands, on the database the server writes to: ``decisiond keys`` (create, list and revoke
-managed API keys) and ``decisiond usage`` (usage and cost totals as a table). They run the same code as the admin
-API."""
+"""The administration commands: on the database the server writes to, ``decisiond keys`` (create, list and revoke
+managed API keys) and ``decisiond usage`` (usage and cost totals as a table), which run the same code as the admin
+API; and, against a running server, ``decisiond labels import`` (labels for stored decisions in bulk)."""
 
 from __future__ import annotations
 
@@ -183,3 +183,75 @@ def _print_table(groups: list[str], rows: list[dict[str, Any]]) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
     for c in cells:
         print("  ".join(v.ljust(w) if i < len(groups) else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+
+
+def register_labels(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    labels = sub.add_parser("labels", help="post labels for stored decisions in bulk to a running decisiond")
+    labels_sub = labels.add_subparsers(dest="labels_command", required=True)
+    bulk = labels_sub.add_parser("import", help='post each line of a JSON Lines file, {"request_id", "labels"}')
+    bulk.add_argument("file", help='JSON Lines: {"request_id": "req_...", "labels": {"<question name>": value}}')
+    bulk.add_argument("--url", default="http://127.0.0.1:8000", help="the decisiond that stored the decisions")
+    bulk.add_argument("--api-key", default=None, help="the key that made them, or the master key "
+                                                      "(default: $DECISIOND_API_KEY)")
+    bulk.add_argument("--log-level", default="warning")
+    bulk.set_defaults(func=cmd_labels_import)
+
+
+def _label_lines(path: str) -> list[tuple[int, str, Any]]:
+    """(line number, request id, labels) of each line; the file refused (``InputError``) at its first bad line,
+    before anything is posted."""
+    from ..errors import InputError
+
+    text = InputError.read_text(path)
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise InputError(InputError.not_json(error), path, n) from None
+        if not isinstance(item, dict):
+            raise InputError('each line is an object {"request_id": ..., "labels": {...}}', path, n)
+        for field, kind, shown in (("request_id", str, "a string"), ("labels", dict, "an object")):
+            if field not in item:
+                raise InputError('missing: each line holds request_id and labels', path, n, field)
+            if not isinstance(item[field], kind):
+                raise InputError(f"must be {shown}", path, n, field)
+        out.append((n, item["request_id"], item["labels"]))
+    if not out:
+        raise InputError("no lines to post", path)
+    return out
+
+
+def cmd_labels_import(args: argparse.Namespace) -> int:
+    """Each line's labels posted to ``POST /v1/decisions/{request_id}/labels``; a line the server refuses is one
+    line on stderr (``FILE:LINE: FIELD: message``) and the rest go on. Prints the counts; exit 1 when any line was
+    refused."""
+    import httpx
+
+    from ..errors import InputError
+
+    lines = _label_lines(args.file)
+    key = args.api_key or os.environ.get("DECISIOND_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    stored = refused = 0
+    with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=60) as client:
+        for n, request_id, labels in lines:
+            try:
+                response = client.post(f"/v1/decisions/{request_id}/labels", json={"labels": labels})
+            except httpx.HTTPError as error:
+                raise InputError(f"cannot reach {args.url}: {type(error).__name__}: {error}", field="--url") from None
+            if response.status_code == 200:
+                stored += 1
+                continue
+            refused += 1
+            try:
+                body = response.json()["error"]
+                where, message = body.get("param"), body.get("message")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                where, message = None, response.text[:200]
+            print(f"decisiond: {args.file}:{n}: " + (f"{where}: " if where else "") + f"{message} "
+                  f"({response.status_code})", file=sys.stderr)
+    print(json.dumps({"labelled": stored, "refused": refused}))
+    return 1 if refused else 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection
 
 from ..canonical import DecisionRequest, DecisionResult, Question
@@ -214,7 +214,7 @@ def insert_rows(connection: Connection, stored: list[dict[str, Any]]) -> None:
     fresh = [{**s, "time": _time(s["time"]), "expires_at": _time(s["expires_at"])} for s in stored
              if s["request_id"] not in there]
     if fresh:
-        connection.execute(StoredDecision.__table__.insert(), fresh)
+        connection.execute(insert(StoredDecision), fresh)
 
 
 def _time(value: Any) -> datetime:

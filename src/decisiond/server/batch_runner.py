@@ -142,7 +142,7 @@ class BatchRunner:
                     if job is None:
                         break
                     self._running[job.id] = task = asyncio.create_task(self._run(job), name=f"batch {job.id}")
-                    task.add_done_callback(lambda done, ident=job.id: self._running.pop(ident, None))
+                    task.add_done_callback(self._forget(job.id))
                 if self.clock() - renewed >= self.config.lease_s / 3:
                     renewed = self.clock()
                     held = await self.store.renew(list(self._running), self.name, renewed + self.config.lease_s)
@@ -160,6 +160,13 @@ class BatchRunner:
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), min(BATCH_POLL_S, self.config.lease_s / 3))
+
+    def _forget(self, batch_id: str) -> Callable[[asyncio.Task[None]], None]:
+        """A done callback: the batch's task is no longer running here."""
+        def forget(done: asyncio.Task[None]) -> None:
+            self._running.pop(batch_id, None)
+
+        return forget
 
     async def _expire_files(self) -> None:
         """Housekeeping: files past their ``expires_at`` (not while an active batch reads them), answered lines

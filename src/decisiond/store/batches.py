@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 
@@ -267,8 +267,9 @@ class BatchStore:
     async def in_use(self, file_id: str) -> bool:
         """Whether an active batch reads the file."""
         async with self.db.session() as session:
-            return (await session.scalar(select(func.count()).select_from(BatchJob).where(
-                BatchJob.input_file_id == file_id, BatchJob.status.in_(ACTIVE)))) > 0
+            found = await session.scalar(select(func.count()).select_from(BatchJob).where(
+                BatchJob.input_file_id == file_id, BatchJob.status.in_(ACTIVE)))
+        return bool(found)
 
     async def sweep(self) -> int:
         """Delete answered lines left behind by finished batches (a usage record written after its batch was);
@@ -304,7 +305,7 @@ class BatchStore:
             if held is None:
                 return False
             for row in files:
-                connection.execute(StoredFile.__table__.insert(), [_columns(row)])
+                connection.execute(insert(StoredFile), [_columns(row)])
             connection.execute(delete(BatchResult).where(BatchResult.batch_id == batch_id))
             return True
 
