@@ -136,6 +136,8 @@ CASES = [
     _case("labels", "wrong-shape", ["import", "{tmp}/labels.jsonl"],
           "{tmp}/labels.jsonl:2: labels: missing: each line holds request_id and labels"),
     _case("labels", "not-json", ["import", "{tmp}/not-json.jsonl"], "{tmp}/not-json.jsonl:1: request_id: missing"),
+    _case("quality", "out-in-missing-folder", ["--model", "luna", "--png", "{tmp}/missing/quality.png"],
+          "{tmp}/missing/quality.png: cannot write it: the folder {tmp}/missing does not exist"),
     _case("bench", "out-in-missing-folder", ["--out", "{tmp}/missing/bench.md"],
           "{tmp}/missing/bench.md: cannot write it: the folder {tmp}/missing does not exist"),
     _case("bench", "json-a-folder", ["--json", "{tmp}/folder"], "{tmp}/folder: cannot write it: it is a folder"),

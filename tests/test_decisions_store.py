@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sqlite3
 import time
 from datetime import datetime, timedelta, timezone
@@ -216,3 +217,31 @@ def test_labels_import_posts_each_line_and_reports_the_refused(gateway, tmp_path
     assert refusals[1].startswith(f"decisiond: {path}:4: request_id: no stored decision 'req_nobody'")
     assert stored(gateway.database, first)["labels"] == {"billing": True, "team": "payments"}
     assert stored(gateway.database, second)["labels"] is None
+
+
+def test_the_quality_report_and_its_command(gateway, tmp_path):
+    """``GET /admin/quality`` over the cascade's stored decisions: the team question's labels against what was
+    served, and the share that went on to the strong step; ``decisiond quality`` prints it and draws it."""
+    from servers import run_decisiond
+
+    for text in TEAMS:
+        request_id = ask(gateway, ALICE, "triage", text, [BILLING, TEAM])
+        assert label(gateway, ALICE, request_id, {"team": TEAMS[text]}).status_code == 200
+    headers = {"Authorization": f"Bearer {MASTER}"}
+    report = httpx.get(gateway.url + "/admin/quality", params={"model": "triage"}, headers=headers).json()
+    by = {q["question"]: q for q in report["questions"]}
+    assert report["bins"] == 15 and by["team"]["labels"] >= 2
+    assert by["team"]["served"]["accuracy"] == 1.0  # the strong step answered every team, with 0.9 on the label
+    assert by["team"]["served"]["log_loss"] == pytest.approx(-math.log(0.9))
+    assert by["team"]["escalated_share"] == 1.0 and by["billing"]["escalated_share"] == 0.0
+    assert by["billing"]["labels"] == 0 and by["billing"]["served"] is None
+    assert httpx.get(gateway.url + "/admin/quality", params={"model": "plain"}, headers=headers).json()[
+        "error"]["param"] == "model"
+    assert httpx.get(gateway.url + "/admin/quality", params={"model": "triage"},
+                     headers={"Authorization": f"Bearer {ALICE}"}).status_code in (401, 403)
+
+    png = tmp_path / "quality.png"
+    done = run_decisiond("quality", "--model", "triage", "--url", gateway.url, "--api-key", MASTER, "--png", str(png))
+    assert done.returncode == 0, done.stderr
+    assert "| team |" in done.stdout and "100.0%" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,7 @@ their prices) once per threshold of ``THRESHOLDS``, the same threshold at every 
 alone) and above 1 (every question to the last step). A call is made once and remembered: a threshold that sends
 the same questions of an item to the same step reuses the answer (a step is asked at most one call per distinct
 set of questions, so at most one per question of the item). Per threshold: the share of questions escalated past
-the first call, the accuracy and log loss of the answers (``evaluation.metrics``), and the estimated cost per
+the first call, the accuracy and log loss of the answers (``scores.metrics``), and the estimated cost per
 1,000 requests: the mean over items of the calls' prices (each call priced by the target that answered it, on the
 usage it reported) times 1,000.
 """
@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .canonical import DecisionRequest, DecisionResult
-from .evaluation import LabeledItem, metrics
+from .evaluation import LabeledItem
 from .gateway import cascade
 from .gateway.catalog import Target
+from .scores import metrics
 
 if TYPE_CHECKING:
     from .gateway.router import Router

@@ -36,6 +36,7 @@ from .dialects import openai as openai_wire
 from .engine.calibration import FOLDS, STRENGTHS, Fit, Profile, Sample, combine, folds, regularised_fit
 from .engine.prompt import PROMPT_FORMAT_VERSION
 from .errors import DecisionError, InputError, openai_param
+from .scores import BINS, bin_of, metrics, predicted, reliability
 
 if TYPE_CHECKING:
     from .engine.local import LocalEngine
@@ -46,7 +47,6 @@ MODES = {"raw": ("given", "none"), "cyclic": ("cyclic", "none"), "contextual": (
 FIT = "+fit"
 ALL_MODES = (*MODES, *(mode + FIT for mode in MODES))
 KINDS = ("choice", "score", "yes_no")
-BINS = 10
 REFERENCE = "raw"  # the mode paired differences are taken against
 
 
@@ -212,44 +212,6 @@ def beside_base(base: list[list[float]], fitted: CrossFitted, golds: list[int]) 
             "folds_worse": int((delta > 0).sum()), "strengths": fitted.strengths}
 
 
-def predicted(p: list[float]) -> int:
-    """The answer: the most probable option, the first on ties."""
-    return max(range(len(p)), key=lambda i: (p[i], -i))
-
-
-def bin_of(top: float) -> int:
-    """The reliability bin of a top probability: (b/BINS, (b+1)/BINS], with 0 in the first bin."""
-    return min(BINS - 1, max(0, math.ceil(top * BINS) - 1))
-
-
-def metrics(pairs: list[tuple[list[float], int]], threshold: float, coverage: float = 0.5) -> dict[str, float]:
-    """Accuracy, log loss, Brier, ECE (``BINS`` equal-width bins of the top probability), how many answers — and
-    how accurately — clear ``threshold`` on the top probability, and the accuracy of the ``coverage`` share of
-    answers the model is most confident about (ceil(coverage · n) of them; ties in the order given)."""
-    if not pairs:
-        return {"n": 0}
-    n = len(pairs)
-    top = [max(p) for p, _ in pairs]
-    right = [predicted(p) == g for p, g in pairs]
-    log_loss = -math.fsum(math.log(max(p[g], 1e-12)) for p, g in pairs) / n
-    brier = math.fsum(math.fsum((pi - (i == g)) ** 2 for i, pi in enumerate(p)) for p, g in pairs) / n
-    gap = [0.0] * BINS
-    for t, r in zip(top, right):
-        gap[bin_of(t)] += r - t
-    answered = [k for k, t in enumerate(top) if t >= threshold]
-    confident = sorted(range(n), key=lambda k: -top[k])[: max(1, math.ceil(coverage * n))]
-    return {
-        "n": n,
-        "accuracy": sum(right) / n,
-        "log_loss": log_loss,
-        "brier": brier,
-        "ece": math.fsum(abs(g) for g in gap) / n,
-        "answered": len(answered) / n,
-        "answered_accuracy": sum(right[k] for k in answered) / len(answered) if answered else float("nan"),
-        "coverage_accuracy": sum(right[k] for k in confident) / len(confident),
-    }
-
-
 INTERVAL_METRICS = ("accuracy", "log_loss", "ece")
 
 
@@ -322,15 +284,6 @@ def evaluate(engine: LocalEngine, items: list[LabeledItem], threshold: float = 0
              coverage: float = 0.5, resamples: int = 1000, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     samples, groups = collect(engine, items, progress)
     return {"model": engine.name, **assess(samples, groups, threshold, coverage, with_bias, resamples, seed)}
-
-
-def reliability(pairs: list[tuple[list[float], int]]) -> list[dict[str, float]]:
-    """Per non-empty bin of the top probability: count, mean confidence, accuracy."""
-    members: list[list[tuple[float, bool]]] = [[] for _ in range(BINS)]
-    for p, g in pairs:
-        members[bin_of(max(p))].append((max(p), predicted(p) == g))
-    return [{"bin": b, "count": len(m), "confidence": sum(c for c, _ in m) / len(m),
-             "accuracy": sum(r for _, r in m) / len(m)} for b, m in enumerate(members) if m]
 
 
 def fit_profile(samples: list[Sample], order: str, calibrate_mode: str, with_bias: bool, model: str,

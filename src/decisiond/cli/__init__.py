@@ -2,8 +2,9 @@
 ``calibrate`` (labeled data), ``bench`` (the side-by-side benchmark).
 
 The commands live in families (``serve``: serve, mcp; ``decide``: decide, batch; ``measure``: eval, calibrate,
-bench; ``admin``: keys, usage, labels), each registering its own subcommands; what they share is in ``common``. Building
-the parser imports nothing heavy: each command imports torch, the gateway or uvicorn when it runs.
+bench; ``admin``: keys, usage, labels, quality), each registering its own subcommands; what they share is in
+``common``. Building the parser imports nothing heavy: each command imports torch, the gateway or uvicorn when it
+runs.
 
 A file or setting a command cannot use raises ``InputError`` where it is read; ``main`` prints it as one line,
 ``decisiond: FILE:LINE: FIELD: what is wrong``, and exits 2, never with a traceback. Every help names the docs
@@ -22,7 +23,7 @@ from .common import refuse
 # In the order ``decisiond --help`` lists them.
 _COMMANDS = (serve.register_serve, decide.register_decide, decide.register_batch, serve.register_mcp,
              measure.register_eval, measure.register_calibrate, admin.register_keys, admin.register_usage,
-             admin.register_labels, measure.register_bench)
+             admin.register_labels, admin.register_quality, measure.register_bench)
 
 # The docs pages that explain each command (None: ``decisiond`` itself), each with what it covers where a
 # command has several; every ``--help`` ends with them.
@@ -37,6 +38,7 @@ DOCS: dict[str | None, tuple[tuple[str, str | None], ...]] = {
     "keys": (("docs/guides/keys-limits-budgets.md", None),),
     "usage": (("docs/guides/keys-limits-budgets.md", None),),
     "labels": (("docs/guides/better-probabilities.md", "stored decisions and labels"),),
+    "quality": (("docs/guides/better-probabilities.md", "stored decisions and labels"),),
     "bench": (("docs/performance.md", None),),
 }
 

@@ -255,3 +255,75 @@ def cmd_labels_import(args: argparse.Namespace) -> int:
                   f"({response.status_code})", file=sys.stderr)
     print(json.dumps({"labelled": stored, "refused": refused}))
     return 1 if refused else 0
+
+
+def register_quality(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    quality = sub.add_parser("quality", help="print how good a stored model's answers were against their labels")
+    quality.add_argument("--model", required=True, help="a model or virtual model with store: true")
+    quality.add_argument("--since", default=None, metavar="DATE", help="only decisions from then (ISO date or time)")
+    quality.add_argument("--url", default="http://127.0.0.1:8000", help="the decisiond that stored them")
+    quality.add_argument("--api-key", default=None, help="the master key (default: $DECISIOND_API_KEY)")
+    quality.add_argument("--png", default=None, help="also draw the reliability diagram into this PNG file")
+    quality.add_argument("--log-level", default="warning")
+    quality.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    """``GET /admin/quality`` as a table on stdout (and its reliability diagram as a PNG); a refusal is its error
+    object on stdout and exit 1."""
+    import httpx
+
+    from ..errors import InputError
+    from .common import check_writable
+
+    check_writable(args.png)
+    key = args.api_key or os.environ.get("DECISIOND_API_KEY")
+    params = {"model": args.model, **({"since": args.since} if args.since else {})}
+    try:
+        response = httpx.get(args.url.rstrip("/") + "/admin/quality", params=params, timeout=120,
+                             headers={"Authorization": f"Bearer {key}"} if key else {})
+    except httpx.HTTPError as error:
+        raise InputError(f"cannot reach {args.url}: {type(error).__name__}: {error}", field="--url") from None
+    if response.status_code != 200:
+        print(response.text)
+        return 1
+    report = response.json()
+    rows = [f"{report['model']}: {report['decisions']} stored decisions"
+            + (f" since {report['since']}" if report.get("since") else ""), "",
+            "| question | stored | labels | accuracy | log loss | Brier | ECE | escalated |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for q in report["questions"]:
+        served = q["served"] or {}
+        cells = [f"{served[k]:.3f}" if k in served else "–" for k in ("accuracy", "log_loss", "brier", "ece")]
+        share = q["escalated_share"]
+        rows.append(f"| {q['question']} | {q['stored']} | {q['labels']} | " + " | ".join(cells)
+                    + f" | {'–' if share is None else f'{share:.1%}'} |")
+    print("\n".join(rows))
+    if args.png:
+        _reliability_png(report, args.png)
+    return 0
+
+
+def _reliability_png(report: dict[str, Any], path: str) -> None:
+    """The reliability diagram of each labelled question: accuracy against mean confidence per bin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6), dpi=100)
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
+    for q in report["questions"]:
+        if q["reliability"]:
+            bins = q["reliability"]
+            ax.plot([b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o",
+                    label=f"{q['question']} (ECE {q['served']['ece']:.3f}, {q['labels']} labels)")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("confidence (bin mean)")
+    ax.set_ylabel("accuracy against the labels")
+    ax.set_title(f"Reliability: {report['model']}, {report['bins']} bins", fontsize=10)
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

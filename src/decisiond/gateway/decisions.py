@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection
 
+from .. import scores
 from ..canonical import DecisionRequest, DecisionResult, Question
 from ..dialects.openai.upstream import render_request
 from ..errors import InvalidRequest, NotFound
@@ -114,15 +114,63 @@ def label_index(question: dict[str, Any], value: Any) -> int:
 class QuestionQuality:
     labels: int
     accuracy: float
+    log_loss: float
+    brier: float
     ece: float
 
 
 def quality(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]],
             bins: int = ECE_BINS) -> dict[str, QuestionQuality]:
-    """Per question name, over ``rows`` of (questions, answers, labels): how many labels, the accuracy of the served
-    answer's most probable value, and its expected calibration error (``bins`` equal bins of the top probability —
-    a predicate's max(p, 1 − p) —, each bin's |accuracy − mean confidence| weighted by its share)."""
-    seen: dict[str, list[tuple[float, bool]]] = {}
+    """Per question name, over ``rows`` of (questions, answers, labels): how many labels, and the accuracy, log
+    loss, Brier score and expected calibration error (``bins`` bins) of the answers served (``scores.metrics``; a
+    predicate's probabilities are (p, 1 − p))."""
+    out = {}
+    for name, labelled in _pairs(rows).items():
+        measured = scores.metrics(labelled, bins=bins)
+        out[name] = QuestionQuality(len(labelled), measured["accuracy"], measured["log_loss"], measured["brier"],
+                                    measured["ece"])
+    return out
+
+
+def report(model: str, rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any] | None, Any]],
+           bins: int = ECE_BINS) -> dict[str, Any]:
+    """``GET /admin/quality``: per question of ``model``'s stored decisions (``rows``: questions, answers, labels,
+    steps), how many were stored and labelled, the quality of the answers served against the labels
+    (``scores.metrics``) with the reliability diagram's bins, and for a cascade the share that went on past its
+    first step."""
+    stored: dict[str, int] = {}
+    escalated: dict[str, int] = {}
+    cascade = False
+    for questions, _, _, steps in rows:
+        later = {int(k) for step in (steps or [])[1:] for k in step["answers"]}
+        cascade = cascade or steps is not None
+        for k, question in enumerate(questions):
+            name = question["name"]
+            if name is None:
+                continue
+            stored[name] = stored.get(name, 0) + 1
+            escalated[name] = escalated.get(name, 0) + (k in later)
+    labelled = [(questions, answers, labels) for questions, answers, labels, _ in rows if labels]
+    pairs = _pairs(labelled)
+    out = []
+    for name in sorted(stored):
+        measured = scores.metrics(pairs.get(name, []), bins=bins)
+        out.append({
+            "question": name, "stored": stored[name], "labels": int(measured["n"]),
+            "served": {k: measured[k] for k in ("accuracy", "log_loss", "brier", "ece")} if measured["n"] else None,
+            "reliability": scores.reliability(pairs.get(name, []), bins),
+            "escalated_share": escalated[name] / stored[name] if cascade else None,
+        })
+    return {"object": "decision.quality", "model": model, "decisions": len(rows), "bins": bins, "questions": out}
+
+
+Pairs = dict[str, list[tuple[list[float], int]]]
+
+
+def _pairs(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]) -> Pairs:
+    """Per question name, (the served probabilities, the label's index) of each labelled answer (a predicate's
+    probabilities as (p, 1 − p))."""
+    pairs: Pairs = {}
     for questions, answers, labels in rows:
         for k, question in enumerate(questions):
             name = question["name"]
@@ -131,21 +179,8 @@ def quality(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]],
             probabilities = answers[k]
             if question["type"] == "yes_no":
                 probabilities = [probabilities[0], 1.0 - probabilities[0]]
-            top = max(range(len(probabilities)), key=probabilities.__getitem__)
-            seen.setdefault(name, []).append((probabilities[top], top == label_index(question, labels[name])))
-    out = {}
-    for name, points in seen.items():
-        counts = [0] * bins
-        right = [0] * bins
-        sure = [0.0] * bins
-        for confidence, correct in points:
-            b = min(bins - 1, int(confidence * bins))
-            counts[b] += 1
-            right[b] += correct
-            sure[b] += confidence
-        ece = math.fsum(abs(right[b] - sure[b]) for b in range(bins) if counts[b]) / len(points)
-        out[name] = QuestionQuality(len(points), sum(c for _, c in points) / len(points), ece)
-    return out
+            pairs.setdefault(name, []).append((probabilities, label_index(question, labels[name])))
+    return pairs
 
 
 class DecisionStore:
@@ -192,6 +227,16 @@ class DecisionStore:
                        or 0)
 
         return await self.db.write(run)
+
+    async def since(self, model: str, since: datetime | None, limit: int) -> list[tuple[Any, Any, Any, Any]]:
+        """The newest ``limit`` stored decisions of ``model`` (from ``since``): (questions, answers, labels, steps)."""
+        query = select(StoredDecision.questions, StoredDecision.answers, StoredDecision.labels,
+                       StoredDecision.steps).where(StoredDecision.model == model)
+        if since is not None:
+            query = query.where(StoredDecision.time >= since)
+        async with self.db.session() as session:
+            rows = (await session.execute(query.order_by(StoredDecision.time.desc()).limit(limit))).all()
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
 
     async def labelled(self, model: str, limit: int) -> list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]:
         """The newest ``limit`` labelled decisions of ``model``: (questions, answers, labels) each."""

@@ -14,6 +14,9 @@
 
 Any key: ``GET /v1/usage`` → its own spend, its budgets (``remaining_usd``, ``resets_in_seconds``) and its live
 rate-limit counters.
+- ``GET /admin/quality?model=&since=`` → per question of a model with stored decisions: how many were stored and
+  labelled, the accuracy, log loss, Brier score and ECE (15 bins) of what was served, its reliability bins, and for a
+  cascade the share that went on past the first step;
 - ``GET /admin/cache`` → the response cache's statistics (entries, bytes, hits, misses; Redis entries if shared);
 - ``DELETE /admin/cache`` → empties this process's cache and the shared Redis entries (other replicas' in-process
   copies live until their TTL).
@@ -32,13 +35,13 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 from ..dialects import openai as openai_dialect
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
-from ..gateway import usage
+from ..gateway import decisions, usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.auth import Authenticator
 from ..gateway.stages.budget_ledger import BudgetStore, BudgetView
 from ..gateway.types import Caller
-from ..limits import AUDIT_PAGE_MAX
+from ..limits import AUDIT_PAGE_MAX, QUALITY_DECISIONS_MAX
 from ..store.db import Database
 from ..store.keys import KeyStore
 from .payload import read_payload
@@ -302,6 +305,27 @@ async def _master(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     Authenticator.require_master(await gateway.auth.authenticate(request.headers))
     return gateway
+
+
+@router.get("/quality")
+async def quality(request: Request) -> Any:
+    """The quality of a stored model's answers against their labels, per question (``gateway.decisions.report``),
+    over its newest ``QUALITY_DECISIONS_MAX`` stored decisions since ``since``."""
+    try:
+        gateway = await _master(request)
+        model = request.query_params.get("model")
+        if not model:
+            raise _bad("model", "name the model: ?model=<a model or virtual model with store: true>")
+        if model not in gateway.stored_models:
+            raise _bad("model", f"{model[:100]!r} keeps no decisions (models with store: true: "
+                                f"{', '.join(sorted(gateway.stored_models)) or 'none'})")
+        if gateway.decisions is None:
+            raise Unavailable("stored decisions need a database; none is open")
+        since = _time(request.query_params, "since")
+        rows = await gateway.decisions.since(model, since, QUALITY_DECISIONS_MAX)
+    except DecisionError as error:
+        return _error(error)
+    return {**decisions.report(model, rows), "since": since.isoformat() if since else None}
 
 
 @router.get("/cache")
