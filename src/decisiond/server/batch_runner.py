@@ -295,11 +295,13 @@ class BatchRunner:
         warm: OrderedDict[bytes, None] = OrderedDict()
 
         async def answer(n: int, raw: bytes, caller: Caller | DecisionError) -> None:
-            item = orjson.loads(raw)
-            key = _input_key(item["body"])
+            item: dict[str, Any] = {}
+            key: bytes | None = None
             mine: asyncio.Future[None] | None = None
             result: Result | None = None
             try:
+                item = orjson.loads(raw)  # checked at upload: an object with a custom_id and an object body
+                key = _input_key(item["body"])
                 if key is not None and key not in warm:
                     ahead = first.get(key)
                     if ahead is None:
@@ -456,9 +458,14 @@ class BatchRunner:
                                   "failed": failed + expired,
                                   "output_file_id": files["output"].id if files["output"].lines else None,
                                   "error_file_id": files["error"].id if files["error"].lines else None}
-        if not await self.store.finish(job.id, self.name, rows, values):
-            for output in files.values():
-                (folder / output.name).unlink(missing_ok=True)
+        finished = False
+        try:
+            finished = await self.store.finish(job.id, self.name, rows, values)
+        finally:
+            if not finished:  # not recorded: this attempt's files are nobody's
+                for output in files.values():
+                    (folder / output.name).unlink(missing_ok=True)
+        if not finished:
             raise Stopped()
             log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": completed,
                                                        "failed": failed + expired})
