@@ -37,8 +37,11 @@ auth:
     - {{name: alice, key: "{alice}", user_path: /team/a}}
     - {{name: bob, key: "{bob}", user_path: /team/b, rate_limits: {{requests_per_second: 4}}}}
 database_url: "sqlite:///{database}"
+deadline: 120
 providers:
-  - {{name: openai, type: openai, base_url: "{upstream}/v1", api_key: sk-test, pricing: {{per_request: 0.01}}}}
+  # Generous timeouts: a line held at a test's gate, or slowed by a loaded machine, is not a timeout.
+  - {{name: openai, type: openai, base_url: "{upstream}/v1", api_key: sk-test, timeout: 60,
+     pricing: {{per_request: 0.01}}}}
 models:
   - {{name: luna, provider: openai, upstream: gpt-6-luna}}
   - {{name: luna-cached, provider: openai, upstream: gpt-6-luna, cache: true}}
@@ -401,9 +404,9 @@ def test_a_graceful_stop_with_lines_in_flight_loses_none(tmp_path):
     them, and every line is in the output once, as charged."""
     gate = Gate(open_first=5)
     config = write_config(tmp_path, gate.upstream.url, concurrency=2)
-    # The upstream's timeout outlasts the stop's grace: the two lines are still waiting when the server gives them up.
-    config.write_text(config.read_text().replace("api_key: sk-test,", "api_key: sk-test, timeout: 60,")
-                      + "audit: {log_bodies: true}\n")
+    # The upstream's timeout (60 s) outlasts the stop's grace: the two lines are still waiting when the server gives
+    # them up.
+    config.write_text(config.read_text() + "audit: {log_bodies: true}\n")
     server = start_decisiond("--config", str(config))
     try:
         sdk = client(server, ALICE)
@@ -603,7 +606,8 @@ def test_two_replicas_on_postgres_run_a_batch_once_and_take_it_over_when_one_die
         gate.opened.set()
         sdk = client(b, ALICE)
         done = wait_for(sdk, batch.id)
-        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 60, 0)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 60, 0), \
+            read_lines(sdk, done.error_file_id)
         assert sorted(o["custom_id"] for o in read_lines(sdk, done.output_file_id)) == sorted(
             f"r{i}" for i in range(60))
         deadline = time.monotonic() + 30

@@ -145,10 +145,11 @@ class BatchRunner:
                     task.add_done_callback(self._forget(job.id))
                 if self.clock() - renewed >= self.config.lease_s / 3:
                     renewed = self.clock()
-                    held = await self.store.renew(list(self._running), self.name, renewed + self.config.lease_s)
+                    held, taken = await self.store.renew(list(self._running), self.name,
+                                                         renewed + self.config.lease_s)
                     self._cancelling = {ident for ident, status in held.items() if status == "cancelling"}
                     for ident, task in list(self._running.items()):
-                        if ident not in held:  # taken by another process: this one stops
+                        if ident in taken:  # another process runs it now: this one stops
                             task.cancel()
                 if self.clock() - expired >= FILE_EXPIRY_SCAN_S:
                     expired = self.clock()
@@ -462,13 +463,23 @@ class BatchRunner:
         try:
             finished = await self.store.finish(job.id, self.name, rows, values)
         finally:
-            if not finished:  # not recorded: this attempt's files are nobody's
+            if not finished and not await self._recorded(job.id, rows):  # this attempt's files are nobody's
                 for output in files.values():
                     (folder / output.name).unlink(missing_ok=True)
         if not finished:
             raise Stopped()
             log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": completed,
                                                        "failed": failed + expired})
+
+    async def _recorded(self, batch_id: str, rows: list[StoredFile]) -> bool:
+        """Whether the files ``rows`` are the batch's now (its final state was committed although the call that
+        committed it was interrupted before it returned)."""
+        with contextlib.suppress(Exception):
+            for row in rows:
+                there = await self.store.file(row.id)
+                if there is not None and there.path == row.path:
+                    return True
+        return False
 
     async def _write_files(self, job: BatchJob, expired_from: StoredFile | None, files: dict[str, _Output]) -> int:
         """The stored lines into the output and error files, in line order; with ``expired_from`` (the input of a

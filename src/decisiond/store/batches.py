@@ -194,14 +194,17 @@ class BatchStore:
                 return await self.batch(batch_id)
         return None
 
-    async def renew(self, batch_ids: list[str], runner: str, until: float) -> dict[str, str]:
-        """Extend ``runner``'s leases; the batches it still holds, with their statuses."""
-        def run(connection: Connection) -> dict[str, str]:
+    async def renew(self, batch_ids: list[str], runner: str, until: float) -> tuple[dict[str, str], set[str]]:
+        """Extend ``runner``'s leases: the batches it still holds, with their statuses, and those another process
+        has taken (a batch that finished meanwhile, no one's now, is in neither)."""
+        def run(connection: Connection) -> tuple[dict[str, str], set[str]]:
             rows = connection.execute(update(BatchJob).where(BatchJob.id.in_(batch_ids), BatchJob.runner == runner)
                                       .values(lease_until=until).returning(BatchJob.id, BatchJob.status)).all()
-            return {str(r[0]): str(r[1]) for r in rows}
+            taken = set(connection.execute(select(BatchJob.id).where(
+                BatchJob.id.in_(batch_ids), BatchJob.runner.is_not(None), BatchJob.runner != runner)).scalars())
+            return {str(r[0]): str(r[1]) for r in rows}, taken
 
-        return await self.db.write(run) if batch_ids else {}
+        return await self.db.write(run) if batch_ids else ({}, set())
 
     async def release(self, batch_id: str, runner: str) -> None:
         def run(connection: Connection) -> None:
