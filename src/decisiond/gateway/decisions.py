@@ -89,12 +89,8 @@ def check_labels(questions: list[dict[str, Any]], body: Any) -> dict[str, Any]:
             raise InvalidRequest(f"this decision has no question named {name[:100]!r} (it has "
                                  f"{', '.join(repr(n) for n in list(by_name)[:20]) or 'no named question'})",
                                  ("labels", name), code="unknown_question")
-        allowed = question["values"]
-        ok = (isinstance(value, bool) if question["type"] == "yes_no" else
-              isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(allowed)
-              if question["type"] == "score" else
-              any(type(value) is type(v) and value == v for v in allowed))
-        if not ok:
+        if label_index(question, value) is None:
+            allowed = question["values"]
             shown = ("true or false" if question["type"] == "yes_no" else
                      f"a level index from 0 to {len(allowed) - 1}" if question["type"] == "score" else
                      "one of " + ", ".join(repr(v) for v in allowed[:20]))
@@ -103,11 +99,14 @@ def check_labels(questions: list[dict[str, Any]], body: Any) -> dict[str, Any]:
     return labels
 
 
-def label_index(question: dict[str, Any], value: Any) -> int:
-    """The position of a label's value among the question's answer probabilities."""
+def label_index(question: dict[str, Any], value: Any) -> int | None:
+    """The position of a label's value among the question's answer probabilities: a score's level index, else the
+    value's place among the question's values (of the same JSON type: ``true`` is no choice ``1``); None for a value
+    the question does not allow."""
     if question["type"] == "score":
-        return int(value)
-    return next(i for i, v in enumerate(question["values"]) if type(v) is type(value) and v == value)
+        allowed = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(question["values"])
+        return value if allowed else None
+    return next((i for i, v in enumerate(question["values"]) if type(v) is type(value) and v == value), None)
 
 
 @dataclass
@@ -176,10 +175,13 @@ def _pairs(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]) -
             name = question["name"]
             if name is None or name not in labels or k >= len(answers) or not answers[k]:
                 continue
+            gold = label_index(question, labels[name])
+            if gold is None:  # checked when posted (``check_labels``): never
+                continue
             probabilities = answers[k]
             if question["type"] == "yes_no":
                 probabilities = [probabilities[0], 1.0 - probabilities[0]]
-            pairs.setdefault(name, []).append((probabilities, label_index(question, labels[name])))
+            pairs.setdefault(name, []).append((probabilities, gold))
     return pairs
 
 

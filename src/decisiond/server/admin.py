@@ -32,7 +32,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import AwareDatetime, Field, field_validator, model_validator
 
-from ..dialects import openai as openai_dialect
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
 from ..gateway import decisions, usage
@@ -45,6 +44,7 @@ from ..limits import AUDIT_PAGE_MAX, QUALITY_DECISIONS_MAX
 from ..store.db import Database
 from ..store.keys import KeyStore
 from .payload import read_payload
+from .routes import openai_error
 
 router = APIRouter(prefix="/admin")
 self_service = APIRouter()
@@ -97,11 +97,6 @@ async def _store(request: Request) -> KeyStore:
     return gateway.keys
 
 
-def _error(error: DecisionError) -> JSONResponse:
-    status, body = openai_dialect.render_error(error)
-    return JSONResponse(body, status_code=status, headers=error.headers or None)
-
-
 @router.post("/keys")
 async def create_key(request: Request) -> JSONResponse:
     try:
@@ -111,7 +106,7 @@ async def create_key(request: Request) -> JSONResponse:
         gateway: Gateway = request.app.state.gateway
         gateway.guardrails.check_names(body.guardrails)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     record, key = await store.create(
         body.name, body.user_path, body.models,
         body.rate_limits.model_dump(exclude_defaults=True) if body.rate_limits is not None else None, body.expiry(),
@@ -124,7 +119,7 @@ async def list_keys(request: Request) -> Any:
     try:
         store = await _store(request)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return {"object": "list", "data": [r.public() for r in await store.list()]}
 
 
@@ -136,7 +131,7 @@ async def revoke_key(request: Request, key_id: str) -> Any:
         if record is None:
             raise NotFound(f"no API key with id {key_id[:40]!r}", ("id",), code="key_not_found")
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     gateway: Gateway = request.app.state.gateway
     gateway.auth.forget()
     return record.public()
@@ -216,7 +211,7 @@ async def _grouped(request: Request, query: Callable[..., Awaitable[Any]]) -> An
         db, budgets = await _master_db(request)
         groups, where = _group_by(request.query_params), _filter(request.query_params)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return {"object": "list", "group_by": groups, "data": await query(db, groups, where)}
 
 
@@ -242,7 +237,7 @@ async def audit_log(request: Request) -> Any:
         if before is not None and not before.isdigit():
             raise _bad("before_id", "must be a row id from next_before_id")
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     rows, following = await usage.audit(db, where, int(limit), int(before) if before else None)
     return {"object": "list", "data": rows, "next_before_id": following}
 
@@ -252,7 +247,7 @@ async def list_budgets(request: Request) -> Any:
     try:
         db, budgets = await _master_db(request)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     budgets.forget()
     return {"object": "list", "data": await _spend(request, await budgets.budgets())}
 
@@ -264,7 +259,7 @@ async def put_budget(request: Request) -> Any:
         payload = await read_payload(request, ADMIN_BODY_LIMIT)
         body = validate_body(BudgetConfig, payload.document)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     view = await budgets.put(body, "admin")
     return (await _spend(request, [view]))[0]
 
@@ -276,7 +271,7 @@ async def delete_budget(request: Request, budget_id: str) -> Any:
         if not await budgets.delete(budget_id):
             raise NotFound(f"no budget with id {budget_id[:40]!r}", ("id",), code="budget_not_found")
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return {"id": budget_id, "deleted": True}
 
 
@@ -287,7 +282,7 @@ async def own_usage(request: Request) -> Any:
     try:
         caller: Caller = await gateway.auth.authenticate(request.headers)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     out: dict[str, Any] = {"object": "usage", "key": caller.key_id, "user_path": caller.user_path,
                            "rate_limits": await gateway.limiter.counters(caller)}
     db, budgets = gateway.db, gateway.budgets
@@ -299,7 +294,7 @@ async def own_usage(request: Request) -> Any:
         mine = [b for b in await budgets.budgets() if b.model is None and b.applies(caller, ())]
         out["budgets"] = await _spend(request, mine)
     except Exception:
-        return _error(Unavailable("usage is unavailable: the database cannot be reached", code="no_database"))
+        return openai_error(Unavailable("usage is unavailable: the database cannot be reached", code="no_database"))
     return out
 async def _master(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
@@ -324,7 +319,7 @@ async def quality(request: Request) -> Any:
         since = _time(request.query_params, "since")
         rows = await gateway.decisions.since(model, since, QUALITY_DECISIONS_MAX)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return {**decisions.report(model, rows), "since": since.isoformat() if since else None}
 
 
@@ -333,7 +328,7 @@ async def cache_stats(request: Request) -> Any:
     try:
         gateway = await _master(request)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return await gateway.cache.stats()
 
 
@@ -342,5 +337,5 @@ async def cache_clear(request: Request) -> Any:
     try:
         gateway = await _master(request)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return await gateway.cache.clear()

@@ -31,7 +31,6 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from ..dialects import openai as openai_dialect
 from ..dialects.common import StrictModel, validate_body
 from ..errors import ClientGone, DecisionError, InvalidRequest, NotFound, invalid
 from ..gateway.types import Caller
@@ -48,7 +47,7 @@ from ..store.batches import BatchStore
 from ..store.tables import BatchJob, StoredFile
 from .batch_runner import ENDPOINTS, BatchRunner
 from .payload import read_payload, too_large
-from .routes import authenticate
+from .routes import authenticate, openai_error
 
 router = APIRouter(prefix="/v1")
 
@@ -58,11 +57,6 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86400
 BATCH_FILE_EXPIRES_S = 30 * 86400
 MULTIPART_OVERHEAD = 64 * 1024
-
-
-def _error(error: DecisionError) -> JSONResponse:
-    status, body = openai_dialect.render_error(error)
-    return JSONResponse(body, status_code=status, headers=error.headers or None)
 
 
 def _runner(request: Request) -> BatchRunner:
@@ -140,7 +134,7 @@ async def _create_file(request: Request) -> JSONResponse:
                 if isinstance(value, UploadFile):
                     await value.close()
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse(file_object(row))
 
 
@@ -157,7 +151,7 @@ async def list_files(request: Request) -> JSONResponse:
         rows = await store.files(caller.key_id, caller.key_id is None, query.get("purpose"), query.get("after"),
                                  limit, order == "desc")
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse(_page(rows, limit, file_object))
 
 
@@ -166,7 +160,7 @@ async def get_file(request: Request, file_id: str) -> JSONResponse:
     try:
         _, row = await _owned_file(request, file_id)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse(file_object(row))
 
 
@@ -175,10 +169,10 @@ async def file_content(request: Request, file_id: str) -> Response:
     try:
         runner, row = await _owned_file(request, file_id)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     path = runner.store.path(row)
     if not path.exists():
-        return _error(NotFound(f"the content of {file_id} is gone from the files folder", ("file_id",),
+        return openai_error(NotFound(f"the content of {file_id} is gone from the files folder", ("file_id",),
                                code="file_not_found"))
     return FileResponse(path, media_type="application/jsonl", filename=row.filename)
 
@@ -191,7 +185,7 @@ async def delete_file(request: Request, file_id: str) -> JSONResponse:
             raise InvalidRequest(f"the file {row.id} is the input of a batch that is not done: cancel the batch "
                                  "first", ("file_id",), code="file_in_use", status=409)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     await runner.store.delete_file(row.id)
     return JSONResponse({"id": row.id, "object": "file", "deleted": True})
 
@@ -427,7 +421,7 @@ async def _create_batch(request: Request) -> JSONResponse:
                        expires_at=now + COMPLETION_WINDOWS[body.completion_window])
         await runner.store.add_batch(row)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     runner.wake()
     return JSONResponse(batch_object(row))
 
@@ -440,7 +434,7 @@ async def list_batches(request: Request) -> JSONResponse:
         limit = _limit(request.query_params.get("limit"), 20, BATCH_LIST_MAX)
         rows = await store.batches(caller.key_id, caller.key_id is None, request.query_params.get("after"), limit)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse(_page(rows, limit, batch_object))
 
 
@@ -449,7 +443,7 @@ async def get_batch(request: Request, batch_id: str) -> JSONResponse:
     try:
         _, row = await _owned_batch(request, batch_id)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse(batch_object(row))
 
 
@@ -462,6 +456,6 @@ async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
                                  code="batch_not_cancellable", status=409)
         row = await runner.store.cancel(batch_id, int(runner.clock())) or row
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     runner.wake()
     return JSONResponse(batch_object(row))

@@ -42,7 +42,7 @@ from typing import IO, Any
 import orjson
 
 from ..canonical import DecisionResult, ScoreResult
-from ..errors import DecisionError, one_line
+from ..errors import RETRY_HEADERS, DecisionError, one_line
 from ..gateway.service import Gateway
 from ..gateway.settings import BatchesConfig
 from ..gateway.types import Caller, Context
@@ -570,7 +570,7 @@ def _lines(path: Path) -> Any:
 def _retry_after(status: int, headers: dict[str, str]) -> float | None:
     """How long a line waits before it is asked again: a rate limit's refusal (429), or a 503 that says when to
     come back (the local engine's queue is full); None for an answer that stands."""
-    if status != 429 and not (status == 503 and ("retry-after" in headers or "retry-after-ms" in headers)):
+    if status != 429 and not (status == 503 and any(name in headers for name in RETRY_HEADERS)):
         return None
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
         value = headers.get(name)

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..dialects import openai as openai_dialect
@@ -24,7 +24,7 @@ from ..gateway.service import Gateway
 from ..gateway.types import Context
 from .middleware import INTERNAL_ERROR
 from .payload import read_payload
-from .routes import TIMEOUT_HEADER, authenticate, client_timeout
+from .routes import TIMEOUT_HEADER, authenticate, client_timeout, openai_error
 
 log = logging.getLogger("decisiond.chat")
 router = APIRouter()
@@ -56,12 +56,6 @@ def prompt_slots(route: str, body: dict[str, Any]) -> list[Slot]:
         if isinstance(item, dict):
             slots += _content_slots(item, "content") + _content_slots(item, "output")
     return slots
-
-
-def _error(error: DecisionError, *header_sets: dict[str, str]) -> JSONResponse:
-    status, body = openai_dialect.render_error(error)
-    headers = {k: v for h in (*header_sets, error.headers) for k, v in h.items()}
-    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _deadline(timeout: float | None) -> DecisionError:
@@ -148,7 +142,7 @@ async def forward(request: Request, route: str) -> Response:
         payload = await read_payload(request, settings.max_body_bytes, settings.body_read_timeout)
     except DecisionError as error:
         fields["error_code"] = error.code
-        return _error(error)
+        return openai_error(error)
     deadline = time.monotonic() + timeout if timeout is not None else None
     context = Context(request.state.request_id, "chat", dialect, caller, request_headers=request.headers,
                       deadline=deadline)
@@ -169,7 +163,7 @@ async def forward(request: Request, route: str) -> Response:
         failure = work.exception() if not work.cancelled() else _deadline(timeout)
         refusal = failure if isinstance(failure, DecisionError) else INTERNAL_ERROR
         fields.update(error_code=refusal.code, outcomes=context.outcomes or None)
-        return _error(refusal, context.response_headers)
+        return openai_error(refusal, context.response_headers)
     fields["provider"] = relay.provider
     return _Relayed(relay, work, {**context.response_headers, **relay.headers})
 

@@ -18,23 +18,17 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..dialects import openai as openai_dialect
 from ..errors import DecisionError, InvalidRequest, NotFound
 from ..gateway.decisions import DecisionStore, check_labels
 from ..gateway.service import Gateway
 from ..store.tables import StoredDecision
 from .payload import read_payload
-from .routes import authenticate
+from .routes import authenticate, openai_error
 
 router = APIRouter(prefix="/v1/decisions")
 
 LABELS_BODY_LIMIT = 64 * 1024
 WRITE_WAIT_S = 3.0
-
-
-def _error(error: DecisionError) -> JSONResponse:
-    status, body = openai_dialect.render_error(error)
-    return JSONResponse(body, status_code=status, headers=error.headers or None)
 
 
 def _store(gateway: Gateway) -> DecisionStore:
@@ -69,7 +63,7 @@ async def post_labels(request: Request, request_id: str) -> JSONResponse:
         labels = check_labels(row.questions, payload.document)
         merged = await store.label(row.request_id, labels)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse({"request_id": row.request_id, "object": "decision.labels", "labels": merged})
 
 
@@ -79,5 +73,5 @@ async def delete_decision(request: Request, request_id: str) -> JSONResponse:
         store, row = await _decision(request, request_id)
         await store.delete(row.request_id)
     except DecisionError as error:
-        return _error(error)
+        return openai_error(error)
     return JSONResponse({"id": row.request_id, "object": "decision", "deleted": True})

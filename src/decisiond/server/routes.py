@@ -113,6 +113,12 @@ def error_response(rendered: tuple[int, dict[str, Any]], *header_sets: dict[str,
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
+def openai_error(error: DecisionError, *header_sets: dict[str, str]) -> JSONResponse:
+    """``error`` as the OpenAI-shaped routes answer it (admin, chat, files, batches, labels): its status and error
+    object, with ``header_sets`` and then the error's own headers."""
+    return error_response(openai_dialect.render_error(error), *header_sets, error.headers)
+
+
 async def authenticate(request: Request) -> Caller:
     """The caller, from the request's headers (in an ``auth`` span when the gateway traces); its key and user path go
     on the access line."""

@@ -112,20 +112,8 @@ class BatchStore:
     async def files(self, key_id: str | None, everyone: bool, purpose: str | None, after: str | None, limit: int,
                     descending: bool) -> list[StoredFile]:
         """A page of files (``limit`` + 1 rows, the extra one telling there are more), by creation time then id."""
-        query = select(StoredFile)
-        if not everyone:
-            query = query.where(StoredFile.key_id == key_id)
-        if purpose is not None:
-            query = query.where(StoredFile.purpose == purpose)
-        order = (StoredFile.created_at.desc(), StoredFile.id.desc()) if descending else (
-            StoredFile.created_at, StoredFile.id)
-        async with self.db.session() as session:
-            if after is not None:
-                cursor = await session.get(StoredFile, after)
-                if cursor is not None:
-                    query = query.where(_past(StoredFile, cursor.created_at, cursor.id, descending))
-            return list((await session.scalars(query.order_by(*order).limit(limit + 1))).all())
-
+        where = [StoredFile.purpose == purpose] if purpose is not None else []
+        return await self._page(StoredFile, key_id, everyone, after, limit, descending, where)
     async def delete_file(self, file_id: str) -> bool:
         async with self.db.session() as session, session.begin():
             row = await session.get(StoredFile, file_id)
@@ -152,16 +140,22 @@ class BatchStore:
 
     async def batches(self, key_id: str | None, everyone: bool, after: str | None, limit: int) -> list[BatchJob]:
         """A page of batches, newest first (``limit`` + 1 rows, the extra one telling there are more)."""
-        query = select(BatchJob)
+        return await self._page(BatchJob, key_id, everyone, after, limit, True, [])
+
+    async def _page(self, table: Any, key_id: str | None, everyone: bool, after: str | None, limit: int,
+                    descending: bool, where: list[Any]) -> list[Any]:
+        """``limit`` + 1 rows of ``table`` after the row ``after`` (a cursor that is no row: from the start), by
+        creation time then id; only ``key_id``'s unless ``everyone``."""
+        query = select(table).where(*where)
         if not everyone:
-            query = query.where(BatchJob.key_id == key_id)
+            query = query.where(table.key_id == key_id)
+        order = (table.created_at.desc(), table.id.desc()) if descending else (table.created_at, table.id)
         async with self.db.session() as session:
             if after is not None:
-                cursor = await session.get(BatchJob, after)
+                cursor = await session.get(table, after)
                 if cursor is not None:
-                    query = query.where(_past(BatchJob, cursor.created_at, cursor.id, True))
-            return list((await session.scalars(query.order_by(BatchJob.created_at.desc(), BatchJob.id.desc())
-                                                .limit(limit + 1))).all())
+                    query = query.where(_past(table, cursor.created_at, cursor.id, descending))
+            return list((await session.scalars(query.order_by(*order).limit(limit + 1))).all())
 
     async def cancel(self, batch_id: str, now: int) -> BatchJob | None:
         """Mark an active batch ``cancelling`` (its runner stops it and writes what it has); any other is left as
