@@ -205,6 +205,12 @@ class Answer:
     refusal: bool = False
     # Extension diagnostics (decisiond-specific), rendered by dialects that carry extensions.
     extensions: dict[str, Any] = field(default_factory=dict)
+    # The model's final hidden state at the answer position (a local model's; no dialect renders it): what a learned
+    # linear head reads (``gateway.learning``).
+    features: list[float] | None = None
+    # The learned profile that set ``probabilities`` (``gateway.profiles``), and the probabilities before it.
+    profile: str | None = None
+    base: list[float] | None = None
 
 
 @dataclass

@@ -173,3 +173,7 @@ DECISION_QUALITY_REFRESH_S = 15.0
 ECE_BINS = 15
 # The stored decisions ``GET /admin/quality`` reads, the newest first.
 QUALITY_DECISIONS_MAX = 100_000
+# Learned profiles (``POST /admin/learn``): the labelled decisions one learning reads (the newest first), and how often
+# each replica reads the active profiles by default.
+LEARN_DECISIONS_MAX = 5000
+PROFILE_REFRESH_S = 5.0

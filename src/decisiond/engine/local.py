@@ -203,13 +203,17 @@ class LocalEngine:
     def _result(self, request: DecisionRequest, prepared: Prepared, evidence: list[list[VariantEvidence]],
                 job: Ticket, scored: Scored) -> DecisionResult:
         answers = []
+        k = 0  # each question's first prompt: its given order, on the real input
         for q, variants in zip(prepared.questions, evidence):
             fitted = None
             if self.profile:
                 fitted = self.profile.for_kind(q.question.kind, prepared.order, prepared.calibrate)
             temperature = request.temperature or (fitted.temperature if fitted else 1.0)
-            answers.append(build_answer(q, variants, prepared.calibrate == "contextual", temperature,
-                                        fitted.bias if fitted else None, request.return_prompt_token_ids))
+            answer = build_answer(q, variants, prepared.calibrate == "contextual", temperature,
+                                  fitted.bias if fitted else None, request.return_prompt_token_ids)
+            answer.features = scored.features[k] if scored.features else None
+            answers.append(answer)
+            k += len(q.variants)
         total = sum(a.prompt_tokens for a in answers)
         return DecisionResult(
             model=self.name,

@@ -23,13 +23,15 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection
 
 from .. import scores
-from ..canonical import DecisionRequest, DecisionResult, Question
+from ..canonical import Answer, DecisionRequest, DecisionResult, Question
 from ..dialects.openai.upstream import render_request
 from ..errors import InvalidRequest, NotFound
 from ..limits import ECE_BINS
 from ..store.db import Database
 from ..store.tables import StoredDecision
 from .cascade import Step
+from .learning import encode_features
+from .profiles import signature
 from .types import Caller
 
 MAX_LABELS = 400  # one per question at most (the largest question count a dialect takes)
@@ -44,21 +46,39 @@ def _values(question: Question) -> list[Any]:
     return list(range(len(question.levels)))
 
 
+def source(answer: Answer, target: str | None) -> dict[str, Any]:
+    """What computed an answer, for learning (``gateway.profiles``): the target, and where they differ from what was
+    served or exist at all, the probabilities before a learned profile, the profile, and the features (base64)."""
+    out: dict[str, Any] = {"target": target}
+    if answer.profile is not None:
+        out.update(profile=answer.profile, base=answer.base)
+    if answer.features is not None:
+        out["features"] = encode_features(answer.features)
+    return out
+
+
 def record(request: DecisionRequest, result: DecisionResult, model: str, request_id: str, caller: Caller,
-           retention_days: int, steps: list[Step], now: datetime | None = None) -> dict[str, Any]:
-    """What the decisions table keeps of one answered request (JSON-able: it is journaled)."""
+           retention_days: int, steps: list[Step], now: datetime | None = None,
+           target: str | None = None) -> dict[str, Any]:
+    """What the decisions table keeps of one answered request (JSON-able: it is journaled); ``target``: the target
+    that answered a request that is not a cascade."""
     now = now or datetime.now(timezone.utc)
-    questions = [{"name": q.name, "type": q.kind, "values": _values(q)} for q in request.questions]
+    questions = [{"name": q.name, "type": q.kind, "values": _values(q), "signature": signature(q)}
+                 for q in request.questions]
     stored: dict[str, Any] = {
         "request_id": request_id, "key_id": caller.key_id, "user_path": caller.user_path, "model": model,
         "time": now.isoformat(), "expires_at": (now + timedelta(days=retention_days)).isoformat(),
         "request": render_request(request), "questions": questions,
         "answers": [None if a.refusal else list(a.probabilities) for a in result.answers],
         "steps": None, "teacher": None,
+        "sources": None if steps else [source(a, target) for a in result.answers],
     }
     if steps:
-        stored["steps"] = [{"step": s.name, "position": s.position, "answers": {
-            str(k): (None if a.refusal else list(a.probabilities)) for k, a in zip(s.asked, s.result.answers)}}
+        stored["steps"] = [{"step": s.name, "position": s.position, "target": s.answered_by.name if s.answered_by
+                            else None, "answers": {
+            str(k): (None if a.refusal else list(a.probabilities)) for k, a in zip(s.asked, s.result.answers)},
+            "sources": {str(k): source(a, s.answered_by.name if s.answered_by else None)
+                        for k, a in zip(s.asked, s.result.answers) if not a.refusal}}
             for s in steps if s.result is not None]
         later = {k for s in steps[1:] if s.result is not None for k in s.asked}
         teacher = {str(questions[k]["name"] if questions[k]["name"] is not None else k): stored["answers"][k]

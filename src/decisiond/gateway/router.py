@@ -8,7 +8,8 @@ names themselves, and the policy each carries, are ``gateway.catalog``'s). The r
 - any other upstream error (a validation 4xx) ends the chain with the provider's status and message.
 
 With a tracer (``decisiond.tracing``), each attempt is a span (target, provider, outcome, tokens) and each step of a
-cascade a span around its attempts.
+cascade a span around its attempts. The answer of a target with learned profiles goes out through them
+(``gateway.profiles``), before a cascade reads its threshold.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .cascade import Gate, Step
 from .catalog import Catalog, Target
 from .chat import ChatRequest, ChatResult
 from .forward import attempt
+from .profiles import ProfileBook
 from .result_check import check_result
 from .settings import DEFAULT_DEADLINE, GatewayConfig
 from .virtual import VirtualModelConfig
@@ -77,6 +79,8 @@ class Router:
         self.observer = Observer()
         # Spans of attempts and cascade steps, when the gateway traces (``Gateway`` sets it).
         self.tracer: tracing.Tracer | None = None
+        # The learned profiles applied to each target's answers (``gateway.profiles``; ``Gateway`` sets it).
+        self.profiles: ProfileBook | None = None
 
     @classmethod
     def local_only(cls, engine: Any) -> "Router":
@@ -130,6 +134,8 @@ class Router:
                             await admission.settle(result.usage.input_tokens)
                     result.provider_format = target.provider.format
                     _checked(request, result, target, billed)
+                    if self.profiles is not None:
+                        self.profiles.apply(target.name, request, result)
                     self.observer.attempt_done(target, started)
                 except ProviderError as error:
                     self.observer.attempt_done(target, started, error)

@@ -32,6 +32,7 @@ from .config import ConfigError
 from .decisions import DecisionStore
 from .journal import Journal, default_directory
 from .pipeline import Pipeline
+from .profiles import ProfileBook, ProfileStore
 from .router import Router
 from .settings import GatewayConfig, GuardrailConfig, check_redis_url
 from .sizes import estimated_tokens
@@ -102,6 +103,11 @@ class Gateway:
                               **{v.name: v.store_retention_days for v in config.virtual_models if v.store}}
         self.decisions: DecisionStore | None = None
         self._purger: asyncio.Task[None] | None = None
+        # Learned profiles: those this process serves (the router applies them) and where they are kept.
+        self.profile_book = ProfileBook()
+        router.profiles = self.profile_book
+        self.profiles: ProfileStore | None = None
+        self._profile_reader: asyncio.Task[None] | None = None
         otel = config.otel
         self.tracing = tracing.start(otel.endpoint, otel.service_name, otel.sample_ratio, otel.headers,
                                      otel.schedule_delay_ms)
@@ -111,7 +117,8 @@ class Gateway:
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
         catalog, when_down = router.catalog, config.budgets_when_database_down
         stages: list[Stage] = [
-            RequestLimits(), ResolveModel(router), Allowlist(catalog), CacheStage(self.cache, router, self.guardrails),
+            RequestLimits(), ResolveModel(router), Allowlist(catalog), CacheStage(self.cache, router, self.guardrails,
+                                                                           self.profile_book),
             RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog, when_down),
             GuardrailStage(self.guardrails, catalog),
         ]
@@ -153,6 +160,9 @@ class Gateway:
             self.usage.start()
             if self.stored_models:
                 self._purger = asyncio.create_task(self._purge_decisions(), name="decisions-purge")
+            self.profiles = ProfileStore(self.db)
+            if await self.read_profiles() or self.stored_models:
+                self._profile_reader = asyncio.create_task(self._read_profiles(), name="profiles-reader")
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
             log.warning("no API key is configured: every client that can reach this server may use every model "
@@ -167,12 +177,31 @@ class Gateway:
                 log.warning("stored decisions not purged", extra={"error": one_line(error)})
             await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
 
+    async def read_profiles(self) -> int:
+        """Read the active profiles into the book (``gateway.profiles``); how many. A database error leaves the book
+        as it was."""
+        if self.profiles is None:
+            return 0
+        try:
+            rows = await self.profiles.active()
+        except Exception as error:
+            log.warning("active profiles not read", extra={"error": one_line(error)})
+            return 0
+        self.profile_book.replace(rows)
+        return len(rows)
+
+    async def _read_profiles(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.learning.refresh_s)
+            await self.read_profiles()
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._purger is not None:
-            self._purger.cancel()
+        for task in (self._purger, self._profile_reader):
+            if task is not None:
+                task.cancel()
         if self.leases is not None:
             await self.leases.aclose()  # the room of budget leases given back
         if self.usage is not None:
@@ -265,7 +294,8 @@ class Gateway:
         if retention is not None and self.usage is not None:
             try:
                 context.stored = decisions.record(request, result, context.resolved_model, context.request_id,
-                                                  context.caller, retention, steps)
+                                                  context.caller, retention, steps,
+                                                  target=context.answered_by[1] if context.answered_by else None)
             except Exception:  # keeping a decision never fails its request
                 log.exception("decision not kept", extra={"request_id": context.request_id})
         return result

@@ -31,6 +31,7 @@ from ..limits import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_QUESTION_LABELS,
     MAX_QUESTION_LABELS,
+    PROFILE_REFRESH_S,
 )
 from .pricing import Pricing
 from .virtual import VirtualModelConfig, check_chains
@@ -461,6 +462,16 @@ class BatchesConfig(BaseModel):
     another host is taken up by another replica after this long (on the same host, at once)."""
 
 
+class LearningConfig(BaseModel):
+    """Learned profiles (``POST /admin/learn``; ``gateway.profiles``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    refresh_s: float = Field(default=PROFILE_REFRESH_S, gt=0, le=3600)
+    """How often each server process reads the active profiles from the database: a profile accepted or rolled back
+    on one replica is served by every replica within this many seconds (at once on the one that made the change)."""
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -504,6 +515,8 @@ class GatewayConfig(BaseModel):
     """How the decision quality metrics of ``GET /metrics`` are labelled: how many question names get their own."""
     batches: BatchesConfig = Field(default_factory=BatchesConfig)
     """The Batch API: where files are kept, their size limit, how many lines and batches run at once."""
+    learning: LearningConfig = Field(default_factory=LearningConfig)
+    """Learned profiles: how often each replica reads the active ones."""
     default_model: str | None = None
     """The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any name);
     defaults to the first local provider's model.

@@ -15,8 +15,13 @@
 Any key: ``GET /v1/usage`` → its own spend, its budgets (``remaining_usd``, ``resets_in_seconds``) and its live
 rate-limit counters.
 - ``GET /admin/quality?model=&since=`` → per question of a model with stored decisions: how many were stored and
-  labelled, the accuracy, log loss, Brier score and ECE (15 bins) of what was served, its reliability bins, and for a
-  cascade the share that went on past the first step;
+  labelled, the accuracy, log loss, Brier score and ECE (15 bins) of what was served, its reliability bins, for a
+  cascade the share that went on past the first step, and the active learned profile with its cross-validated
+  metrics;
+- ``POST /admin/learn`` ``{"model"}`` → per target and question of a stored model, the learning's candidates
+  (cross-validated metrics, the acceptance rule's verdict) and the profile accepted (``gateway.profiles``);
+  ``GET /admin/profiles?model=`` → the learned profiles; ``PUT /admin/profiles/{id}`` ``{"active": false}`` rolls one
+  back, ``{"active": true}`` serves it again;
 - ``GET /admin/cache`` → the response cache's statistics (entries, bytes, hits, misses; Redis entries if shared);
 - ``DELETE /admin/cache`` → empties this process's cache and the shared Redis entries (other replicas' in-process
   copies live until their TTL).
@@ -34,7 +39,7 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
-from ..gateway import decisions, usage
+from ..gateway import decisions, profiles, usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.auth import Authenticator
@@ -318,9 +323,70 @@ async def quality(request: Request) -> Any:
             raise Unavailable("stored decisions need a database; none is open")
         since = _time(request.query_params, "since")
         rows = await gateway.decisions.since(model, since, QUALITY_DECISIONS_MAX)
+        learned = await _profiles(gateway).listing(model)
     except DecisionError as error:
         return openai_error(error)
-    return {**decisions.report(model, rows), "since": since.isoformat() if since else None}
+    report = decisions.report(model, rows)
+    active = {row.question: profiles.describe(row) for row in learned if row.active and row.model == model}
+    for question in report["questions"]:
+        profile = active.get(question["question"])
+        question["profile"] = None if profile is None else {
+            k: profile[k] for k in ("id", "kind", "version", "target", "labels", "cv", "served_before")}
+    return {**report, "since": since.isoformat() if since else None}
+
+
+def _profiles(gateway: Gateway) -> profiles.ProfileStore:
+    if gateway.profiles is None:
+        raise Unavailable("learned profiles need a database; none is open")
+    return gateway.profiles
+
+
+@router.post("/learn")
+async def learn(request: Request) -> Any:
+    """Learn from a stored model's labels (``gateway.profiles.learn_model``): per target and question, the
+    candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
+    other replicas within ``learning.refresh_s``."""
+    try:
+        gateway = await _master(request)
+        body = (await read_payload(request, ADMIN_BODY_LIMIT)).document
+        if not isinstance(body, dict) or set(body) - {"model"}:
+            unknown = sorted(set(body) - {"model"}) if isinstance(body, dict) else []
+            raise _bad(unknown[0] if unknown else "model", "the body is {\"model\": <a model with store: true>}")
+        model = profiles.check_model(body.get("model"), gateway.stored_models)
+        report = await profiles.learn_model(_profiles(gateway), model)
+        await gateway.read_profiles()
+    except DecisionError as error:
+        return openai_error(error)
+    return report
+
+
+@router.get("/profiles")
+async def list_profiles(request: Request) -> Any:
+    """The learned profiles, newest first (``?model=``: those learned from, or serving, that name)."""
+    try:
+        gateway = await _master(request)
+        rows = await _profiles(gateway).listing(request.query_params.get("model"))
+    except DecisionError as error:
+        return openai_error(error)
+    return {"object": "list", "data": [profiles.describe(row) for row in rows]}
+
+
+@router.put("/profiles/{profile_id}")
+async def put_profile(request: Request, profile_id: str) -> Any:
+    """``{"active": false}`` rolls a profile back (the one it replaced is served again, else the base answers);
+    ``{"active": true}`` serves an accepted profile again."""
+    try:
+        gateway = await _master(request)
+        body = (await read_payload(request, ADMIN_BODY_LIMIT)).document
+        if not isinstance(body, dict) or set(body) != {"active"} or not isinstance(body["active"], bool):
+            raise _bad("active", "the body is {\"active\": true | false}")
+        store = _profiles(gateway)
+        now_active = await store.set_active(profile_id, body["active"])
+        await gateway.read_profiles()
+        row = await store.get(profile_id)
+    except DecisionError as error:
+        return openai_error(error)
+    return {**profiles.describe(row), "active_for_question": now_active}
 
 
 @router.get("/cache")

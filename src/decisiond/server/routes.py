@@ -25,6 +25,7 @@ from ..dialects import sglang as sglang_dialect
 from ..dialects import systemone as systemone_dialect
 from ..dialects.base import Dialect
 from ..errors import ClientGone, DecisionError, InvalidRequest, Timeout
+from ..gateway.profiles import PROFILE_HEADER
 from ..gateway.service import Gateway
 from ..gateway.types import Caller, Context
 from ..limits import MAX_CLIENT_TIMEOUT_MS
@@ -233,6 +234,9 @@ def _answer_headers(context: Context, result: Any, fields: dict[str, Any]) -> di
         fields.update(served_model=result.model, input_tokens=result.usage.input_tokens,
                       provider_format=result.provider_format)
         headers["x-decisiond-provider-format"] = result.provider_format
+        applied = sorted({a.profile for a in result.answers if a.profile is not None})
+        if applied:
+            headers[PROFILE_HEADER] = ",".join(applied)
     if context.cost is not None:
         headers[COST_HEADER] = f"{context.cost:.10f}"
         fields["cost_usd"] = context.cost

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # An auto-increment 64-bit id (SQLite only auto-increments an INTEGER primary key).
@@ -221,3 +221,34 @@ class StoredDecision(Base):
     teacher: Mapped[Any] = mapped_column(JSON, nullable=True)
     labels: Mapped[Any] = mapped_column(JSON, nullable=True)
     labelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Per answer, what computed it: the target, the probabilities before a learned profile, the features a learned
+    # head reads (base64 float32) and the profile's id (``gateway.decisions.sources``).
+    sources: Mapped[Any] = mapped_column(JSON, nullable=True)
+
+
+class LearnedProfile(Base):
+    """A profile ``POST /admin/learn`` fitted for one target's answers to one question (``signature``: its type,
+    name, instructions and options), from the labels of ``model``'s stored decisions: its ``kind`` (``calibration``:
+    a temperature and a bias per option; ``head``: a linear head over the model's hidden state) and ``params``, the
+    cross-validated ``metrics`` it was judged on, whether the acceptance rule took it, and whether it is the one
+    served (at most one active per target and signature). ``version`` counts the profiles of its target and
+    question."""
+
+    __tablename__ = "profiles"
+    __table_args__ = (Index("ix_profiles_active", "active"), Index("ix_profiles_question", "target", "signature"),
+                      Index("ux_profiles_one_active", "target", "signature", unique=True,
+                            sqlite_where=text("active"), postgresql_where=text("active")))
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    target: Mapped[str] = mapped_column(String(256))
+    question: Mapped[str] = mapped_column(String(256))
+    signature: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))
+    params: Mapped[Any] = mapped_column(JSON)
+    metrics: Mapped[Any] = mapped_column(JSON)
+    accepted: Mapped[bool] = mapped_column(Boolean)
+    active: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -60,6 +60,9 @@ class Scored:
     logprobs: list[list[float]]
     computed_tokens: int
     reused_tokens: int = 0
+    # Per prompt, the model's final hidden state at the answer position (the input of its output layer), where the
+    # backend reads it; None where it does not. What a learned linear head reads (``gateway.learning``).
+    features: list[list[float] | None] | None = None
 
 
 class Backend(Protocol):

@@ -115,6 +115,15 @@ class TransformersBackend:
         self.prefixes = PrefixCache(prefix_cache_bytes)
         self.stats = Stats()
         self.description = description
+        # The input of the output layer in the last forward pass (the final hidden states at the positions whose
+        # logits are read): each prompt's features (``Scored.features``).
+        self._head_input: torch.Tensor | None = None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None:
+            head.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module: Any, args: tuple[Any, ...]) -> None:
+        self._head_input = args[0] if args and isinstance(args[0], torch.Tensor) else None
 
     def describe(self) -> str:
         return self.description or f"{self.name} (transformers)"
@@ -144,30 +153,34 @@ class TransformersBackend:
         for i, g in enumerate(groups):
             plans.append((yield from self._plan(i, g)))
         logprobs: list[dict[int, list[float]]] = [{} for _ in groups]
+        features: list[dict[int, list[float] | None]] = [{} for _ in groups]
         rows = [r for plan in plans for r in plan.rows]
         while rows:
             batch = self._next_pass(rows)
             del rows[:len(batch)]
             for work, values in zip(batch, self._run(batch, [groups[w.group] for w in batch])):
-                logprobs[work.group].update(zip(work.members, values))
+                logprobs[work.group].update(zip(work.members, (v for v, _ in values)))
+                features[work.group].update(zip(work.members, (f for _, f in values)))
                 if work.keep is not None:
                     self.prefixes.put(work.keep[0], work.keep[1], work.keep[1].parts())
             self._release_evicted()
             if rows:  # after the last pass: the answers, at once
                 yield sum(len(w.row) for w in batch)
-        return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused)
-                for g, lp, plan in zip(groups, logprobs, plans)]
+        return [Scored([lp[i] for i in range(len(g.prompts))], plan.computed, plan.reused,
+                       [f[i] for i in range(len(g.prompts))])
+                for g, lp, f, plan in zip(groups, logprobs, features, plans)]
 
     def _one_by_one(self, groups: Sequence[Group]) -> Steps:
         out, last = [], 0
         for g in groups:
-            one_by_one = []
+            one_by_one, features = [], []
             for prompt, labels in zip(g.prompts, g.labels):
                 if last:  # the pass before this one (the last pass returns at once)
                     yield last
                 one_by_one.append(self.reference(prompt, labels))
+                features.append(_feature(self._head_input, 0, -1))
                 last = len(prompt)
-            out.append(Scored(one_by_one, sum(len(p) for p in g.prompts), 0))
+            out.append(Scored(one_by_one, sum(len(p) for p in g.prompts), 0, features))
         return out
 
     def _plan(self, index: int, group: Group) -> Generator[int, None, Plan]:
@@ -259,25 +272,28 @@ class TransformersBackend:
             batch.append(work)
         return batch
 
-    def _run(self, batch: list[RowWork], groups: list[Group]) -> list[list[list[float]]]:
-        """Label log-probs of every prompt of every row."""
-        logits = self._forward(batch)
+    def _run(self, batch: list[RowWork], groups: list[Group]
+             ) -> list[list[tuple[list[float], list[float] | None]]]:
+        """Label log-probs and features of every prompt of every row."""
+        logits, where = self._forward(batch)
+        hidden = self._head_input
         out = []
         for r, (work, group) in enumerate(zip(batch, groups)):
             per_prompt = []
             for slot, member in zip(work.row.targets, work.members):
-                lp = torch.log_softmax(logits[r][slot].to(torch.float64), dim=-1)
-                per_prompt.append([float(lp[i]) for i in group.labels[member]])
+                lp = torch.log_softmax(logits[r, where[slot]].to(torch.float64), dim=-1)
+                per_prompt.append(([float(lp[i]) for i in group.labels[member]], _feature(hidden, r, where[slot])))
             out.append(per_prompt)
         return out
 
     # ------------------------------------------------------------------------------ the forward pass
 
     @torch.inference_mode()
-    def _forward(self, batch: list[RowWork]) -> list[dict[int, torch.Tensor]]:
-        """One forward pass over padded rows, each after its own past, writing what each row stores. Returns, per
-        row, the logits at its targets (by index in the row)."""
+    def _forward(self, batch: list[RowWork]) -> tuple[torch.Tensor, dict[int, int]]:
+        """One forward pass over padded rows, each after its own past, writing what each row stores. Returns the
+        logits ``[rows, wanted, vocabulary]`` and where each target position (an index in its row) is among them."""
         rows = [w.row for w in batch]
+        self._head_input = None
         count, width = len(rows), max(len(r) for r in rows)
         ids = torch.zeros(count, width, dtype=torch.long)
         positions = torch.zeros(count, width, dtype=torch.long)
@@ -300,8 +316,7 @@ class TransformersBackend:
         self.stats.computed_tokens += sum(len(r) for r in rows)
         self.stats.padded_tokens += count * width
         self.stats.largest_pass = max(self.stats.largest_pass, count * width)
-        where = {t: k for k, t in enumerate(wanted)}
-        return [{t: logits[r, where[t]] for t in row.targets} for r, row in enumerate(rows)]
+        return logits, {t: k for k, t in enumerate(wanted)}
 
     def _mask(self, batch: list[RowWork], width: int, past_len: int) -> torch.Tensor:
         """``[rows, 1, width, past_len + width]``: each row's own past, then its tree mask."""
@@ -323,8 +338,18 @@ class TransformersBackend:
     def reference(self, ids: Sequence[int], label_ids: Sequence[int]) -> list[float]:
         """One plain forward pass over one prompt: the yardstick the packed path is tested against."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        self._head_input = None
         logits = self.model(input_ids=x, logits_to_keep=1, use_cache=False).logits[0, -1]
         lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
         self.stats.passes += 1
         self.stats.computed_tokens += len(ids)
         return [float(lp[i]) for i in label_ids]
+
+
+def _feature(hidden: torch.Tensor | None, row: int, column: int) -> list[float] | None:
+    """A prompt's features: the output layer's input at its answer position, as float32 values (None when the
+    output layer was not seen)."""
+    if hidden is None or hidden.dim() != 3:
+        return None
+    values: list[float] = hidden[row, column].to(torch.float32).tolist()
+    return values

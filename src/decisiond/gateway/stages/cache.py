@@ -33,6 +33,7 @@ from ...canonical import Answer, DecisionRequest, DecisionResult, ScoreRequest, 
 from ..cascade import ESCALATED_HEADER
 from ..catalog import Target
 from ..fingerprint import request_tree
+from ..profiles import ProfileBook
 from ..router import Router
 from ..settings import CacheConfig
 from ..types import Context, Next
@@ -62,16 +63,19 @@ def _answerer(target: Target) -> dict[str, Any]:
 
 
 def cache_key(operation: str, model: str, target: Target, request: DecisionRequest | ScoreRequest,
-              guardrails: Any = None, cascade: Any = None) -> str:
+              guardrails: Any = None, cascade: Any = None, profiles: str = "") -> str:
     """``guardrails``: the configs of the guardrails in force — deterministic functions of the request, so the
     entry answers exactly the request they let through (and edited). ``cascade``: a cascade's config (its steps and
-    thresholds decide that no question escalated)."""
+    thresholds decide that no question escalated). ``profiles``: the generation of the active learned profiles (an
+    answer stored under others is not served after a profile is accepted or rolled back)."""
     # The requested name is left out: the resolved model stands for it (lenient dialects map any name to it).
     canonical = dataclasses.replace(request, model=None)
     material = {"v": KEY_VERSION, "operation": operation, "model": model, "answerer": _answerer(target),
                 "request": request_tree(canonical), "guardrails": guardrails}
     if cascade is not None:
         material["cascade"] = cascade
+    if profiles:
+        material["profiles"] = profiles
     text = json.dumps(material, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -81,7 +85,10 @@ def cache_key(operation: str, model: str, target: Target, request: DecisionReque
 
 def encode(result: DecisionResult | ScoreResult) -> bytes:
     kind = "score" if isinstance(result, ScoreResult) else "decide"
-    return json.dumps({"kind": kind, "result": dataclasses.asdict(result)}, separators=(",", ":")).encode()
+    data = dataclasses.asdict(result)
+    for answer in data.get("answers", ()):  # what a learned head read: nothing a hit needs, and the bulk of it
+        answer["features"] = None
+    return json.dumps({"kind": kind, "result": data}, separators=(",", ":")).encode()
 
 
 def decode(blob: bytes) -> DecisionResult | ScoreResult:
@@ -259,11 +266,13 @@ class ResponseCache:
 class CacheStage:
     name = "cache"
 
-    def __init__(self, cache: ResponseCache, router: Router, guardrails: GuardrailSet | None = None):
+    def __init__(self, cache: ResponseCache, router: Router, guardrails: GuardrailSet | None = None,
+                 profiles: ProfileBook | None = None):
         self.cache = cache
         self.router = router
         self.catalog = router.catalog
         self.guardrails = guardrails
+        self.profiles = profiles
 
     def enabled_for(self, name: str, target: Target) -> bool:
         """``cache`` on every virtual model the request passes through (``Catalog.policy_names``), the model, the
@@ -289,7 +298,8 @@ class CacheStage:
         in_force = self.guardrails.for_request(models, context.caller.guardrails) if self.guardrails else []
         fingerprint = [g.model_dump(mode="json") for g in in_force] or None
         cascade = self.catalog.virtual[name].model_dump(mode="json") if self.catalog.cascade_steps(name) else None
-        return cache_key(context.operation, name, target, request, fingerprint, cascade), target
+        generation = self.profiles.generation if self.profiles is not None else ""
+        return cache_key(context.operation, name, target, request, fingerprint, cascade, generation), target
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         plan = self.plan(context, request)
