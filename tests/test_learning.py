@@ -11,7 +11,7 @@ import pytest
 import torch
 import upstreams
 from conftest import tiny_loaded
-from servers import start_decisiond
+from servers import run_decisiond, start_decisiond
 
 from decisiond.dialects.openai.parse import parse_request
 
@@ -184,7 +184,9 @@ def write_config(folder, model: str, strong: str, database: str | None = None):
 def gateway(flat_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("learn")
     strong = oracle()
-    server = start_decisiond("--config", str(write_config(folder, flat_dir, strong.url)))
+    config = write_config(folder, flat_dir, strong.url)
+    server = start_decisiond("--config", str(config))
+    server.config = config
     yield server
     server.stop()
     strong.stop()
@@ -283,6 +285,26 @@ def test_random_labels_change_nothing_and_true_labels_teach_a_head(gateway):
     admin(gateway, "PUT", f"/admin/profiles/{question['profile']}", json={"active": False})
 
 
+def test_decisiond_learn_runs_the_same_learning_on_the_database(gateway):
+    """``decisiond learn --config`` learns on the server's database; the server serves what it accepted."""
+    texts = TRAIN[:30]
+    ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in texts]
+    for request_id, text in zip(ids, texts):
+        httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
+                   headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+    done = run_decisiond("learn", "--config", str(gateway.config), "--model", "flat")
+    assert done.returncode == 0, done.stderr
+    assert "| team | flat |" in done.stdout and "accepted: prof_" in done.stdout, done.stdout
+    profile = done.stdout.split("accepted: ")[1].split(" ")[0]
+    deadline = time.monotonic() + 30
+    while ask(gateway, "flat", HELD[2]).headers.get("x-decisiond-profile") != profile:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    admin(gateway, "PUT", f"/admin/profiles/{profile}", json={"active": False})
+    refused = run_decisiond("learn", "--config", str(gateway.config), "--model", "oracle")
+    assert refused.returncode == 2 and "keeps no decisions" in refused.stderr
+
+
 def test_learning_refuses_what_it_cannot_do(gateway):
     assert admin(gateway, "POST", "/admin/learn", json={"model": "oracle"}).json()["error"]["param"] == "model"
     assert admin(gateway, "POST", "/admin/learn", json={"model": "triage", "x": 1}).json()["error"]["param"] == "x"
@@ -292,3 +314,42 @@ def test_learning_refuses_what_it_cannot_do(gateway):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "profile_not_found"
     bad = admin(gateway, "PUT", "/admin/profiles/prof_nothing", json={"active": "no"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "active"
+
+
+def test_two_replicas_on_postgres_serve_the_same_active_profile(flat_dir, tmp_path):
+    """A profile accepted on replica A is served by replica B (one database, no restart); a rollback on B reaches
+    A the same way."""
+    from services import start_postgres
+
+    postgres = start_postgres()
+    strong = oracle()
+    config = write_config(tmp_path, flat_dir, strong.url, postgres.url)
+    a = b = None
+    try:
+        a = start_decisiond("--config", str(config))
+        b = start_decisiond("--config", str(config))
+        ids = [ask(a, "flat", text).headers["x-request-id"] for text in TRAIN[:40]]
+        stored(a, "flat", 40)
+        for request_id, text in zip(ids, TRAIN):
+            httpx.post(f"{b.url}/v1/decisions/{request_id}/labels", timeout=30,
+                       headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+        (question,) = admin(a, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
+        profile = question["profile"]
+        assert profile is not None, question
+        assert ask(a, "flat", HELD[0]).headers.get("x-decisiond-profile") == profile  # at once where it was made
+
+        def served_by(server, expected):
+            deadline = time.monotonic() + 30  # the replicas read the active profiles every 0.5 s
+            while ask(server, "flat", HELD[1]).headers.get("x-decisiond-profile") != expected:
+                assert time.monotonic() < deadline, f"{server.url} does not serve {expected}"
+                time.sleep(0.2)
+
+        served_by(b, profile)
+        assert admin(b, "PUT", f"/admin/profiles/{profile}", json={"active": False}).status_code == 200
+        served_by(a, None)
+    finally:
+        for server in (a, b):
+            if server is not None:
+                server.stop()
+        strong.stop()
+        postgres.remove()

@@ -23,7 +23,7 @@ from .common import refuse
 # In the order ``decisiond --help`` lists them.
 _COMMANDS = (serve.register_serve, decide.register_decide, decide.register_batch, serve.register_mcp,
              measure.register_eval, measure.register_calibrate, admin.register_keys, admin.register_usage,
-             admin.register_labels, admin.register_quality, measure.register_bench)
+             admin.register_labels, admin.register_quality, admin.register_learn, measure.register_bench)
 
 # The docs pages that explain each command (None: ``decisiond`` itself), each with what it covers where a
 # command has several; every ``--help`` ends with them.
@@ -39,6 +39,7 @@ DOCS: dict[str | None, tuple[tuple[str, str | None], ...]] = {
     "usage": (("docs/guides/keys-limits-budgets.md", None),),
     "labels": (("docs/guides/better-probabilities.md", "stored decisions and labels"),),
     "quality": (("docs/guides/better-probabilities.md", "stored decisions and labels"),),
+    "learn": (("docs/guides/better-probabilities.md", "learning from the labels"),),
     "bench": (("docs/performance.md", None),),
 }
 

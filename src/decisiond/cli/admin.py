@@ -1,6 +1,7 @@
 """The administration commands: on the database the server writes to, ``decisiond keys`` (create, list and revoke
 managed API keys) and ``decisiond usage`` (usage and cost totals as a table), which run the same code as the admin
-API; and, against a running server, ``decisiond labels import`` (labels for stored decisions in bulk)."""
+API; ``decisiond learn`` (profiles from a stored model's labels, as ``POST /admin/learn``); and, against a running
+server, ``decisiond labels import`` (labels for stored decisions in bulk) and ``decisiond quality``."""
 
 from __future__ import annotations
 
@@ -302,6 +303,58 @@ def cmd_quality(args: argparse.Namespace) -> int:
     if args.png:
         _reliability_png(report, args.png)
     return 0
+
+
+def register_learn(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    learn = sub.add_parser("learn", help="learn profiles from a stored model's labels (as POST /admin/learn)")
+    learn.add_argument("--model", required=True, help="a model or virtual model with store: true")
+    _add_database_args(learn)
+    learn.add_argument("--json", action="store_true", help="print the whole report as JSON instead of a table")
+    learn.add_argument("--log-level", default="warning")
+    learn.set_defaults(func=cmd_learn)
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    """Learn on the server's database, as ``POST /admin/learn`` does: every replica serves an accepted profile
+    within its ``learning.refresh_s``. Prints, per target and question, the cross-validated metrics of what is
+    served now and of each candidate, and what was accepted."""
+    config = load_config(args)
+    if config is None:
+        return refuse("learn: --config is required: the gateway YAML that names the model with store: true")
+    stored = [m.name for m in config.models if m.store] + [v.name for v in config.virtual_models if v.store]
+    if args.model not in stored:
+        return refuse(f"learn: --model {args.model!r} keeps no decisions in {args.config} (models with store: true: "
+                      f"{', '.join(stored) or 'none'})")
+    report = asyncio.run(_learn(args, config))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    rows = [f"{report['model']}: {report['decisions']} decisions with labels or teacher labels", "",
+            "| question | target | labels | teacher | candidate | accuracy | log loss | gain ± SE | verdict |",
+            "|---|---|---:|---:|---|---:|---:|---:|---|"]
+    for q in report["questions"]:
+        head = f"| {q['question']} | {q['target']} | {q['labels']} | {q['teacher_labels']} |"
+        served = q["served"]
+        if served:
+            rows.append(f"{head} served now | {served['accuracy']:.3f} | {served['log_loss']:.3f} | | |")
+        for c in q["candidates"]:
+            verdict = f"accepted: {q['profile']}" if q["accepted"] == c["kind"] else (c["reason"] or "not the best")
+            rows.append(f"| | | | | {c['kind']} | {c['cv']['accuracy']:.3f} | {c['cv']['log_loss']:.3f} | "
+                        f"{c['log_loss_gain']:.3f} ± {c['gain_error']:.3f} | {verdict} |")
+        if not q["candidates"]:
+            rows.append(f"{head} | | | | {q['reason']} |")
+    print("\n".join(rows))
+    return 0
+
+
+async def _learn(args: argparse.Namespace, config: GatewayConfig) -> dict[str, Any]:
+    from ..gateway.profiles import ProfileStore, learn_model
+
+    db = await _open_database(args, config)
+    try:
+        return await learn_model(ProfileStore(db), args.model)
+    finally:
+        await db.aclose()
 
 
 def _reliability_png(report: dict[str, Any], path: str) -> None:

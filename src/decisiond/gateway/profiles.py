@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -212,7 +212,7 @@ class ProfileStore:
                 *where, LearnedProfile.active.is_(True))).scalar_one_or_none()
             connection.execute(update(LearnedProfile).where(*where, LearnedProfile.active.is_(True)).values(
                 active=False))
-            connection.execute(LearnedProfile.__table__.insert().values(
+            connection.execute(insert(LearnedProfile).values(
                 id=profile_id, model=model, target=group.target, question=group.question, signature=group.signature,
                 version=int(version) + 1, kind=outcome.kind, params=outcome.params,
                 metrics={**outcome.describe(), "labels": group.labels, "replaced": replaced,
@@ -248,7 +248,8 @@ class ProfileStore:
                 return str(previous)
             return None
 
-        return await self._changing(run)
+        changed: str | None = await self._changing(run)
+        return changed
 
     async def _changing(self, run: Any) -> Any:
         try:
