@@ -287,7 +287,7 @@ def test_random_labels_change_nothing_and_true_labels_teach_a_head(gateway):
 
 def test_decisiond_learn_runs_the_same_learning_on_the_database(gateway):
     """``decisiond learn --config`` learns on the server's database; the server serves what it accepted."""
-    texts = TRAIN[:30]
+    texts = TRAIN[:60]
     ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in texts]
     for request_id, text in zip(ids, texts):
         httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
@@ -303,6 +303,52 @@ def test_decisiond_learn_runs_the_same_learning_on_the_database(gateway):
     admin(gateway, "PUT", f"/admin/profiles/{profile}", json={"active": False})
     refused = run_decisiond("learn", "--config", str(gateway.config), "--model", "oracle")
     assert refused.returncode == 2 and "keeps no decisions" in refused.stderr
+
+
+def test_the_playground_shows_quality_and_the_profile_an_answer_went_through(gateway, browser_factory):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    texts = TRAIN[:60]
+    ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in texts]
+    for request_id, text in zip(ids, texts):
+        httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
+                   headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+    (question,) = admin(gateway, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
+    profile = question["profile"]
+    assert profile is not None, str(question)
+    browser = browser_factory("--window-size=1400,1500")
+    try:
+        browser.get(gateway.url + "/")
+        browser.find_element(By.ID, "key").send_keys(MASTER)
+        browser.find_element(By.ID, "load-models").click()
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").get_attribute("data-loaded"))
+        Select(browser.find_element(By.ID, "model")).select_by_value("flat")
+        browser.find_element(By.ID, "load-quality").click()
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "quality").is_displayed())
+        row = browser.find_element(By.CSS_SELECTOR, '#quality tr[data-question="team"]')
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        assert int(cells[1]) >= 60 and profile in cells[6] and cells[6].startswith("head"), cells
+        assert float(cells[7]) >= 0.9  # the profile's cross-validated accuracy
+        # The same question as the labels: the answer goes through the profile, and the page says which.
+        for remove in browser.find_elements(By.CSS_SELECTOR, "#questions .remove"):
+            remove.click()
+        browser.find_element(By.ID, "add-choice").click()
+        node = browser.find_element(By.CSS_SELECTOR, "#questions .question")
+        for selector, value in ((".q-name", "team"), (".q-instructions", TEAM["instructions"]),
+                                (".q-options", "\n".join(TEAMS))):
+            field = node.find_element(By.CSS_SELECTOR, selector)
+            field.clear()
+            field.send_keys(value)
+        browser.find_element(By.ID, "input").clear()
+        browser.find_element(By.ID, "input").send_keys(HELD[3])
+        browser.find_element(By.ID, "submit").click()
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "status").get_attribute("data-profile"))
+        assert browser.find_element(By.ID, "status").get_attribute("data-profile") == profile
+        assert profile in browser.find_element(By.ID, "status").text
+    finally:
+        browser.quit()
+        admin(gateway, "PUT", f"/admin/profiles/{profile}", json={"active": False})
 
 
 def test_learning_refuses_what_it_cannot_do(gateway):
@@ -335,7 +381,7 @@ def test_two_replicas_on_postgres_serve_the_same_active_profile(flat_dir, tmp_pa
                        headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
         (question,) = admin(a, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
         profile = question["profile"]
-        assert profile is not None, question
+        assert profile is not None, str(question)
         assert ask(a, "flat", HELD[0]).headers.get("x-decisiond-profile") == profile  # at once where it was made
 
         def served_by(server, expected):

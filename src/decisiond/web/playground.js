@@ -1,5 +1,6 @@
 // decisiond playground: builds an OpenAI-shaped /v1/decisions request from the form and draws each answer as
-// probability bars. Plain JavaScript, no dependencies: the page works offline.
+// probability bars; shows the selected model's quality against its labels (GET /admin/quality). Plain JavaScript,
+// no dependencies: the page works offline.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -66,12 +67,13 @@ function bars(answer) {
   return [];
 }
 
-function render(body, latencyMs) {
+function render(body, latencyMs, profile) {
   const out = $("answers");
   out.replaceChildren();
   const tokens = body.usage ? body.usage.input_tokens : undefined;
   $("status").textContent = `${body.answers.length} answers from ${body.model} · ${tokens} input tokens · ` +
-    `${latencyMs.toFixed(0)} ms`;
+    `${latencyMs.toFixed(0)} ms` + (profile ? ` · learned profile ${profile}` : "");
+  $("status").dataset.profile = profile || "";
   $("status").dataset.tokens = tokens;
   $("status").dataset.latencyMs = latencyMs.toFixed(1);
   for (const answer of body.answers) {
@@ -144,7 +146,7 @@ async function decide(event) {
       $("status").textContent = "Refused.";
       return;
     }
-    render(data, latency);
+    render(data, latency, response.headers.get("x-decisiond-profile"));
   } catch (err) {
     showError(String(err));
     $("status").textContent = "Failed.";
@@ -177,7 +179,54 @@ async function loadModels() {
   }
 }
 
+function cell(row, text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (className) td.className = className;
+  row.appendChild(td);
+}
+
+async function loadQuality() {
+  const model = $("model").value;
+  $("quality-status").textContent = "Reading…";
+  $("quality").hidden = true;
+  try {
+    const response = await fetch("/admin/quality?model=" + encodeURIComponent(model), { headers: headers() });
+    const data = await response.json();
+    if (!response.ok) {
+      const e = data.error || {};
+      $("quality-status").textContent = `${response.status}: ${e.message || JSON.stringify(data)}`;
+      return;
+    }
+    const body = $("quality").querySelector("tbody");
+    body.replaceChildren();
+    for (const q of data.questions) {
+      const row = document.createElement("tr");
+      row.dataset.question = q.question;
+      const served = q.served || {};
+      const profile = q.profile || null;
+      const cv = (profile && profile.cv) || {};
+      cell(row, q.question);
+      cell(row, String(q.labels));
+      cell(row, fmt(served.accuracy, 3));
+      cell(row, fmt(served.log_loss, 3));
+      cell(row, fmt(served.ece, 3));
+      cell(row, q.escalated_share === null ? "–" : (100 * q.escalated_share).toFixed(1) + "%");
+      cell(row, profile ? `${profile.kind} v${profile.version} (${profile.id})` : "none", "profile");
+      cell(row, fmt(cv.accuracy, 3));
+      cell(row, fmt(cv.log_loss, 3));
+      body.appendChild(row);
+    }
+    $("quality-status").textContent = `${data.decisions} stored decisions of ${data.model}` +
+      " (a profile's figures are cross-validated on the labels it learned from)";
+    $("quality").hidden = false;
+  } catch (err) {
+    $("quality-status").textContent = String(err);
+  }
+}
+
 $("form").addEventListener("submit", decide);
+$("load-quality").addEventListener("click", loadQuality);
 $("load-models").addEventListener("click", loadModels);
 for (const kind of ["predicate", "choice", "score"]) {
   $("add-" + kind).addEventListener("click", () => addQuestion(kind));
