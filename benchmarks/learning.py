@@ -8,7 +8,8 @@ questions each), split by ticket: 100 to learn from, 80 held out.
 - **Teacher labels.** On a fresh database, a cascade (SmolLM2, then a strong target that answers every ticket's gold
   label at 0.94) answers the held-out tickets, through a twin cascade that keeps nothing (they never teach); then
   the 100 others, whose escalated questions give teacher labels only (no label is posted); ``POST /admin/learn``;
-  the held-out tickets again. Escalation share and agreement with the strong target per question, before and after.
+  the held-out tickets again. Escalation share and agreement with the strong target per question, before and after,
+  at the cascade's threshold; and the share a cascade must escalate to reach a given agreement, before and after.
 
     python benchmarks/learning.py [--threshold 0.8] [--train 100] [--seed 0]
 
@@ -210,6 +211,32 @@ def scored(responses: list[httpx.Response], held: list[dict[str, Any]]) -> dict[
     return out
 
 
+AGREEMENTS = (0.95, 0.99)
+
+
+def escalation_needed(responses: list[httpx.Response], held: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per question, for each agreement in ``AGREEMENTS``: the smallest share of the held-out questions a cascade
+    must escalate (the least confident first, as a threshold does) so that its final answers agree that often with
+    the strong target, given the small model's own answers (``responses``, asked of it directly)."""
+    out: dict[str, dict[str, float]] = {}
+    for k, question in enumerate(held[0]["questions"]):
+        rows = []
+        for response, ticket in zip(responses, held):
+            p = probabilities(response.json()["answers"][k])
+            top = max(range(len(p)), key=lambda i: (p[i], -i))
+            rows.append((max(p), top == gold_index(question, ticket["gold"][question["name"]])))
+        rows.sort(key=lambda r: r[0])  # least confident first: escalated first
+        n = len(rows)
+        need = {}
+        for target in AGREEMENTS:
+            for escalated in range(n + 1):  # escalated answers agree (the strong target gives them)
+                if (escalated + sum(right for _, right in rows[escalated:])) / n >= target:
+                    need[str(target)] = escalated / n
+                    break
+        out[question["name"]] = need
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threshold", type=float, default=0.8, help="the cascade's escalate_below")
@@ -242,14 +269,17 @@ def main() -> None:
             gateway = Gateway(Path(cascade_dir), strong_url, args.threshold)
             try:
                 before = scored([gateway.ask("triage-eval", t) for t in held], held)
+                needed_before = escalation_needed([gateway.ask("smol", t) for t in held], held)
                 for t in train:
                     gateway.ask("triage", t)
                 gateway.wait_stored("triage", len(train))
                 learned = gateway.admin("POST", "/admin/learn", json={"model": "triage"})
                 after = scored([gateway.ask("triage-eval", t) for t in held], held)
+                needed_after = escalation_needed([gateway.ask("smol", t) for t in held], held)
             finally:
                 gateway.stop()
-        report["teacher"] = {"before": before, "after": after, "learned": _learned(learned)}
+        report["teacher"] = {"before": before, "after": after, "learned": _learned(learned),
+                             "escalation_needed": {"before": needed_before, "after": needed_after}}
     finally:
         strong.shutdown()
     report["seconds"] = round(time.monotonic() - started, 1)
@@ -304,6 +334,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {learned.get('teacher_labels', 0)} | {learned.get('accepted') or 'nothing'} | "
                      f"{b['escalated_share']:.1%} → {a['escalated_share']:.1%} | "
                      f"{b['accuracy']:.3f} → {a['accuracy']:.3f} |")
+    needed = teacher["escalation_needed"]
+    lines += ["", "At equal agreement: the share of held-out questions a cascade must escalate (the least confident "
+              "first, whatever the threshold) for its answers to agree that often with the strong target, from the "
+              "small model's answers before and after learning.", "",
+              "| question | " + " | ".join(f"escalated for agreement ≥ {a} before → after" for a in AGREEMENTS) + " |",
+              "|---|" + "---:|" * len(AGREEMENTS)]
+    for name, b in needed["before"].items():
+        a = needed["after"][name]
+        lines.append(f"| {name} | " + " | ".join(f"{b[str(x)]:.1%} → {a[str(x)]:.1%}" for x in AGREEMENTS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -282,6 +282,11 @@ def test_random_labels_change_nothing_and_true_labels_teach_a_head(gateway):
     held = [ask(gateway, "flat", text) for text in HELD]
     assert all(r.headers["x-decisiond-profile"] == question["profile"] for r in held)
     assert sum(chosen(r) == TICKETS[text] for r, text in zip(held, HELD)) >= len(HELD) - 1
+    # A request that sets its own temperature, order or calibration gets the model's plain answers.
+    for option in ({"temperature": 1.0}, {"order": "cyclic"}, {"calibrate": "contextual"}):
+        plain = httpx.post(gateway.url + "/v1/decisions", headers={"Authorization": f"Bearer {ALICE}"}, timeout=60,
+                           json={"model": "flat", "input": HELD[0], "questions": [TEAM], **option})
+        assert plain.status_code == 200 and "x-decisiond-profile" not in plain.headers, (option, plain.text)
     admin(gateway, "PUT", f"/admin/profiles/{question['profile']}", json={"active": False})
 
 
@@ -399,3 +404,44 @@ def test_two_replicas_on_postgres_serve_the_same_active_profile(flat_dir, tmp_pa
                 server.stop()
         strong.stop()
         postgres.remove()
+
+
+def test_samples_about_one_input_share_a_fold():
+    from decisiond.gateway.learning import Sample, grouped_folds
+
+    samples = [Sample([0.5, 0.5], None, [1.0, 0.0], group=f"ticket{i % 7}") for i in range(40)]
+    parts = grouped_folds(samples)
+    assert sorted(i for part in parts for i in part) == list(range(40))
+    for part in parts:
+        others = {samples[i].group for other in parts if other is not part for i in other}
+        assert not others & {samples[i].group for i in part}
+
+
+def test_a_rollback_serves_again_what_the_profile_displaced(tmp_path):
+    """P1 accepted, P2 accepted over it, P1 made active again by hand: rolling P1 back serves P2 (what it displaced),
+    rolling P2 back serves P1 (what it replaced when accepted); never two at once."""
+    import asyncio
+
+    from decisiond.gateway.learning import Candidate, Outcome
+    from decisiond.gateway.profiles import Group, ProfileStore
+    from decisiond.store.db import Database
+
+    async def run():
+        db = await Database.open(f"sqlite:///{tmp_path / 'p.sqlite3'}")
+        store = ProfileStore(db)
+        group = Group("flat", "sig", "team", [], labels=30)
+        outcome = Outcome(30, {"accuracy": 0.3}, [Candidate("calibration", 1.0, {"accuracy": 0.5}, 0.2, 0.01, True)],
+                          kind="calibration", params={"temperature": 2.0, "bias": [0.0, 0.0]})
+        p1 = await store.accept("flat", group, outcome)
+        p2 = await store.accept("flat", group, outcome)
+        assert [i for i, *_ in await store.active()] == [p2]
+        assert await store.set_active(p1, True) == p1
+        assert await store.set_active(p1, False) == p2
+        assert await store.set_active(p2, False) == p1
+        assert [i for i, *_ in await store.active()] == [p1]
+        assert await store.set_active(p2, False) == p1  # not the one served: nothing changes
+        versions = sorted((r.id, r.version) for r in await store.listing("flat"))
+        assert sorted(v for _, v in versions) == [1, 2]
+        await db.aclose()
+
+    asyncio.run(run())

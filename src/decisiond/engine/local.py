@@ -211,7 +211,8 @@ class LocalEngine:
             temperature = request.temperature or (fitted.temperature if fitted else 1.0)
             answer = build_answer(q, variants, prepared.calibrate == "contextual", temperature,
                                   fitted.bias if fitted else None, request.return_prompt_token_ids)
-            answer.features = scored.features[k] if scored.features else None
+            vector = scored.features[k] if scored.features else None
+            answer.features = vector.tolist() if vector is not None and hasattr(vector, "tolist") else vector
             answers.append(answer)
             k += len(q.variants)
         total = sum(a.prompt_tokens for a in answers)

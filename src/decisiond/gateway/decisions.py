@@ -46,13 +46,14 @@ def _values(question: Question) -> list[Any]:
     return list(range(len(question.levels)))
 
 
-def source(answer: Answer, target: str | None) -> dict[str, Any]:
+def source(answer: Answer, target: str | None, features: bool = True) -> dict[str, Any]:
     """What computed an answer, for learning (``gateway.profiles``): the target, and where they differ from what was
-    served or exist at all, the probabilities before a learned profile, the profile, and the features (base64)."""
+    served or exist at all, the probabilities before a learned profile, the profile, and (``features``) the
+    features (base64)."""
     out: dict[str, Any] = {"target": target}
     if answer.profile is not None:
         out.update(profile=answer.profile, base=answer.base)
-    if answer.features is not None:
+    if features and answer.features is not None:
         out["features"] = encode_features(answer.features)
     return out
 
@@ -77,8 +78,8 @@ def record(request: DecisionRequest, result: DecisionResult, model: str, request
         stored["steps"] = [{"step": s.name, "position": s.position, "target": s.answered_by.name if s.answered_by
                             else None, "answers": {
             str(k): (None if a.refusal else list(a.probabilities)) for k, a in zip(s.asked, s.result.answers)},
-            "sources": {str(k): source(a, s.answered_by.name if s.answered_by else None)
-                        for k, a in zip(s.asked, s.result.answers) if not a.refusal}}
+            "sources": {str(k): source(a, s.answered_by.name if s.answered_by else None, s is steps[0])
+                        for k, a in zip(s.asked, s.result.answers) if not a.refusal}}  # a first step learns
             for s in steps if s.result is not None]
         later = {k for s in steps[1:] if s.result is not None for k in s.asked}
         teacher = {str(questions[k]["name"] if questions[k]["name"] is not None else k): stored["answers"][k]

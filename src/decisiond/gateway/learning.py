@@ -4,7 +4,8 @@ it. Pure (numpy, scipy): the gateway reads the samples (``gateway.profiles``) an
 - **A sample** is one answer a target gave to the question: the probabilities it gave before any learned profile
   (``base``), the model's final hidden state at the answer position where a local model gave it (``features``), and
   what it should have said (``target``): a label, one-hot, or a cascade's teacher, the later step's probabilities.
-- **Candidates**, each regularised with its strength chosen by cross-validated log loss (``FOLDS`` interleaved folds):
+- **Candidates**, each regularised with its strength chosen by cross-validated log loss (``FOLDS`` interleaved folds,
+  the answers about one input in one fold):
   - ``calibration``: ``softmax((log base + bias) / T)``, the fit ``decisiond calibrate`` makes, with an L2 penalty
     toward the identity and its bounds (``engine.calibration``);
   - ``head``: ``softmax(W · features + c)``, multinomial logistic regression on standardised features with an L2
@@ -12,8 +13,9 @@ it. Pure (numpy, scipy): the gateway reads the samples (``gateway.profiles``) an
 - **Acceptance** (``learn``): a candidate is accepted only where its cross-validated log loss beats that of what is
   served now (the active profile, else the base answers), fold by fold, by more than one standard error of the gain,
   and its cross-validated accuracy is not lower; of those accepted, the lowest log loss wins. Else nothing changes.
-  A temperature that flattens answers on labels no model could predict lowers log loss and never accuracy; a bias
-  that buys log loss by answering the most common option always can lower accuracy, and is refused.
+  A bias that buys log loss by answering the most common option always can lower accuracy: it is refused. The
+  strength is chosen on the same folds that judge the candidate (not nested): the one-standard-error margin is what
+  stands between that optimism and an accepted profile.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ Array = NDArray[np.float64]
 @dataclass
 class Sample:
     base: list[float]
-    features: list[float] | None
+    features: Sequence[float] | NDArray[Any] | None
     target: list[float]  # sums to 1
+    # What the answer was about (a hash of the input): the samples of one input share a fold, so that a request
+    # asked again is never judged by its own twin.
+    group: str | None = None
 
 
 def encode_features(values: Sequence[float]) -> str:
@@ -50,13 +55,20 @@ def encode_features(values: Sequence[float]) -> str:
     return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
 
 
-def decode_features(text: str) -> list[float]:
-    values: list[float] = np.frombuffer(base64.b64decode(text), dtype="<f4").astype(np.float64).tolist()
-    return values
+def decode_features(text: str) -> NDArray[np.float32]:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4")
 
 
-def predict(kind: str, params: dict[str, Any], base: Sequence[float], features: Sequence[float] | None
-            ) -> list[float] | None:
+def prepare(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A profile's parameters as ``predict`` reads them fastest: a head's weights and intercept as arrays."""
+    if kind != "head":
+        return params
+    return {"weights": np.asarray(params["weights"], dtype=np.float64),
+            "intercept": np.asarray(params["intercept"], dtype=np.float64)}
+
+
+def predict(kind: str, params: dict[str, Any], base: Sequence[float],
+            features: Sequence[float] | NDArray[Any] | None) -> list[float] | None:
     """A profile's probabilities for one answer; None where it cannot answer it (a head without the features, or
     of another width; an answer with another number of options)."""
     if kind == "calibration":
@@ -225,7 +237,7 @@ def learn(samples: Sequence[Sample], served: Callable[[Sample], list[float]],
     data = _Data(np.array([s.base for s in samples], dtype=np.float64), features,
                  np.array([s.target for s in samples], dtype=np.float64))
     now = np.array([served(s) for s in samples], dtype=np.float64)
-    parts = folds(n, FOLDS)
+    parts = grouped_folds(samples)
     sizes = np.array([len(p) for p in parts], dtype=np.float64)
     weights = sizes / sizes.sum()
     now_folds = np.array([_cross_entropy(now[p], data.y[p]).mean() for p in parts])
@@ -253,6 +265,21 @@ def learn(samples: Sequence[Sample], served: Callable[[Sample], list[float]],
     best = min(accepted, key=lambda c: c.metrics["log_loss"])
     outcome.kind, outcome.params = best.kind, data.fit(best.kind, best.strength)
     return outcome
+
+
+def grouped_folds(samples: Sequence[Sample], k: int = FOLDS) -> list[list[int]]:
+    """``folds`` over the samples' groups (in order of first appearance): the samples of one group share a fold.
+    Samples without a group are each a group of their own."""
+    order: dict[Any, int] = {}
+    keys = [s.group if s.group is not None else ("sample", i) for i, s in enumerate(samples)]
+    for key in keys:
+        order.setdefault(key, len(order))
+    by_group = folds(len(order), k)
+    fold_of = {g: f for f, members in enumerate(by_group) for g in members}
+    parts: list[list[int]] = [[] for _ in by_group]
+    for i, key in enumerate(keys):
+        parts[fold_of[order[key]]].append(i)
+    return parts
 
 
 def _cross_validated(data: _Data, kind: str, parts: list[list[int]]) -> tuple[float, Array, Array]:

@@ -37,12 +37,12 @@ from sqlalchemy.exc import IntegrityError
 
 from .. import probability
 from ..canonical import Answer, DecisionRequest, DecisionResult, Question
-from ..errors import InvalidRequest, NotFound
+from ..errors import DecisionError, InvalidRequest, NotFound
 from ..limits import LEARN_DECISIONS_MAX
 from ..store.db import Database
 from ..store.tables import LearnedProfile, StoredDecision
 from .fingerprint import request_tree
-from .learning import Outcome, Sample, decode_features, learn, predict
+from .learning import Outcome, Sample, decode_features, learn, predict, prepare
 
 log = logging.getLogger("decisiond.gateway")
 
@@ -59,7 +59,7 @@ def signature(question: Question) -> str:
 class Active:
     id: str
     kind: str
-    params: dict[str, Any]
+    params: dict[str, Any]  # a head's weights and intercept as arrays (``learning.prepare``)
 
 
 class ProfileBook:
@@ -69,31 +69,38 @@ class ProfileBook:
         self._by_target: dict[str, dict[str, Active]] = {}
         self.generation = ""
 
+    @property
+    def ids(self) -> set[str]:
+        return {a.id for active in self._by_target.values() for a in active.values()}
+
     def replace(self, rows: Sequence[tuple[str, str, str, str, dict[str, Any]]]) -> None:
-        """``rows``: (id, target, signature, kind, params) of every active profile."""
+        """``rows``: (id, target, signature, kind, params) of every active profile; their weights become arrays
+        here, once."""
         by_target: dict[str, dict[str, Active]] = {}
         for id_, target, sig, kind, params in rows:
-            by_target.setdefault(target, {})[sig] = Active(id_, kind, params)
+            by_target.setdefault(target, {})[sig] = Active(id_, kind, prepare(kind, params))
         self._by_target = by_target
         self.generation = hashlib.sha256(",".join(sorted(r[0] for r in rows)).encode()).hexdigest()[:16] \
             if rows else ""
 
-    def cache_material(self, target: str) -> list[str] | None:
-        """What a cached answer of ``target`` depends on: the ids of its active profiles (None: it has none)."""
-        active = self._by_target.get(target)
-        return sorted(a.id for a in active.values()) if active else None
-
     def apply(self, target: str, request: DecisionRequest, result: DecisionResult) -> None:
-        """Replace the probabilities of each answer whose question has an active profile for ``target``."""
+        """Replace the probabilities of each answer whose question has an active profile for ``target``. A request
+        that sets its own temperature, option order or calibration gets the target's plain answers: a profile was
+        learned from, and speaks for, the target's defaults."""
         active = self._by_target.get(target)
-        if not active:
+        if not active or request.temperature is not None or request.order is not None or \
+                request.calibrate is not None:
             return
         for question, answer in zip(request.questions, result.answers):
             profile = active.get(signature(question))
             if profile is None or answer.refusal or not answer.probabilities:
                 continue
-            base = _options(answer.probabilities, question.kind)
-            changed = predict(profile.kind, profile.params, base, answer.features)
+            try:
+                changed = predict(profile.kind, profile.params, _options(answer.probabilities, question.kind),
+                                  answer.features)
+            except Exception:  # a profile that cannot read this answer leaves it as it is
+                log.exception("profile not applied", extra={"profile": profile.id, "target": target})
+                continue
             if changed is None:
                 continue
             answer.base, answer.profile = list(answer.probabilities), profile.id
@@ -130,14 +137,16 @@ class Group:
     labels: int = 0  # of which human labels (the rest teacher labels)
 
 
-def samples(rows: Sequence[tuple[Any, Any, Any, Any, Any, Any]]) -> dict[tuple[str, str], Group]:
-    """Per (target, signature), the samples of ``rows``: (questions, answers, labels, steps, teacher, sources) of
-    stored decisions. Questions without a name or a signature (stored before profiles existed) are skipped."""
+def samples(rows: Sequence[tuple[Any, Any, Any, Any, Any, Any, Any]]) -> dict[tuple[str, str], Group]:
+    """Per (target, signature), the samples of ``rows``: (questions, answers, labels, steps, teacher, sources,
+    request) of stored decisions. Questions without a name or a signature (stored before profiles existed) are
+    skipped; the samples of one input share a cross-validation fold."""
     from .decisions import label_index
 
     groups: dict[tuple[str, str], Group] = {}
-    for questions, answers, labels, steps, teacher, sources in rows:
+    for questions, answers, labels, steps, teacher, sources, request in rows:
         labels, teacher = labels or {}, teacher or {}
+        about = hashlib.sha256(json.dumps((request or {}).get("input"), sort_keys=True).encode()).hexdigest()
         if steps:
             first = steps[0]
             given = {int(k): p for k, p in first["answers"].items()}
@@ -163,7 +172,7 @@ def samples(rows: Sequence[tuple[Any, Any, Any, Any, Any, Any]]) -> dict[tuple[s
             base = _options(src.get("base") or given[k], question["type"])
             features = decode_features(src["features"]) if src.get("features") else None
             group = groups.setdefault((src["target"], sig), Group(src["target"], sig, name, []))
-            group.samples.append(Sample(base, features, target))
+            group.samples.append(Sample(base, features, target, about))
             group.labels += name in labels
     return groups
 
@@ -176,6 +185,11 @@ class ProfileStore:
 
     def __init__(self, db: Database):
         self.db = db
+
+    async def active_ids(self) -> set[str]:
+        async with self.db.session() as session:
+            return set((await session.execute(select(LearnedProfile.id).where(
+                LearnedProfile.active.is_(True)))).scalars())
 
     async def active(self) -> list[tuple[str, str, str, str, dict[str, Any]]]:
         async with self.db.session() as session:
@@ -236,13 +250,17 @@ class ProfileStore:
                 if current != profile_id:
                     connection.execute(update(LearnedProfile).where(*where, LearnedProfile.active.is_(True)).values(
                         active=False))
+                    # What a rollback of it serves again: the profile it displaces now.
+                    metrics = connection.execute(select(LearnedProfile.metrics).where(
+                        LearnedProfile.id == profile_id)).scalar_one()
                     connection.execute(update(LearnedProfile).where(LearnedProfile.id == profile_id).values(
-                        active=True, activated_at=now))
+                        active=True, activated_at=now, metrics={**(metrics or {}), "replaced": current}))
                 return profile_id
             if current != profile_id:
                 return current  # not the one served: nothing to roll back
             connection.execute(update(LearnedProfile).where(LearnedProfile.id == profile_id).values(active=False))
-            previous = (row.metrics or {}).get("replaced")
+            previous = (connection.execute(select(LearnedProfile.metrics).where(
+                LearnedProfile.id == profile_id)).scalar_one() or {}).get("replaced")
             if previous is not None and connection.execute(update(LearnedProfile).where(
                     LearnedProfile.id == previous, *where).values(active=True, activated_at=now)).rowcount:
                 return str(previous)
@@ -258,44 +276,62 @@ class ProfileStore:
             raise InvalidRequest("another change activated a profile for this question at the same time; try again",
                                  ("profile",), code="profile_conflict", status=409) from None
 
-    async def labelled(self, model: str) -> list[tuple[Any, Any, Any, Any, Any, Any]]:
+    async def labelled(self, model: str) -> list[tuple[Any, Any, Any, Any, Any, Any, Any]]:
         """The newest ``LEARN_DECISIONS_MAX`` decisions of ``model`` with a label or a teacher label."""
         async with self.db.session() as session:
             rows = (await session.execute(
                 select(StoredDecision.questions, StoredDecision.answers, StoredDecision.labels, StoredDecision.steps,
-                       StoredDecision.teacher, StoredDecision.sources)
+                       StoredDecision.teacher, StoredDecision.sources, StoredDecision.request)
                 .where(StoredDecision.model == model,
                        or_(StoredDecision.labelled_at.is_not(None), StoredDecision.teacher.is_not(None)))
                 .order_by(StoredDecision.time.desc()).limit(LEARN_DECISIONS_MAX))).all()
-        return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        return [(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows]
+
+
+# One learning at a time in a process: each holds its samples and fits in memory.
+_learning = asyncio.Lock()
 
 
 async def learn_model(store: ProfileStore, model: str) -> dict[str, Any]:
     """``POST /admin/learn``: learn from ``model``'s stored decisions, per target and question; accept what the rule
-    allows. The fitting runs in a thread, off the event loop."""
-    rows = await store.labelled(model)
-    groups = samples(list(reversed(rows)))  # oldest first: folds interleave over time
-    active = {(t, s): Active(i, k, p) for i, t, s, k, p in await store.active()}
-    out = []
-    for key, group in sorted(groups.items(), key=lambda kv: (kv[1].question, kv[0])):
-        current = active.get(key)
+    allows. Reading the samples and fitting run in a thread, off the event loop; one learning runs at a time in a
+    process (another waits). A question whose learning fails is reported with its error; the others go on."""
+    async with _learning:
+        rows = await store.labelled(model)
+        groups = await asyncio.to_thread(samples, list(reversed(rows)))  # oldest first: folds interleave over time
+        active = {(t, s): Active(i, k, prepare(k, p)) for i, t, s, k, p in await store.active()}
+        out = []
+        for key, group in sorted(groups.items(), key=lambda kv: (kv[1].question, kv[0])):
+            current = active.get(key)
+            report: dict[str, Any] = {"question": group.question, "target": group.target,
+                                      "signature": group.signature, "labels": group.labels,
+                                      "teacher_labels": len(group.samples) - group.labels}
 
-        def served(sample: Sample, current: Active | None = current) -> list[float]:
-            if current is not None:
-                changed = predict(current.kind, current.params, sample.base, sample.features)
-                if changed is not None:
-                    return changed
-            return sample.base
+            def served(sample: Sample, current: Active | None = current) -> list[float]:
+                if current is not None:
+                    changed = predict(current.kind, current.params, sample.base, sample.features)
+                    if changed is not None:
+                        return changed
+                return sample.base
 
-        outcome = await asyncio.to_thread(learn, group.samples, served)
-        profile_id = await store.accept(model, group, outcome) if outcome.kind is not None else None
-        if profile_id is not None:
-            log.info("profile accepted", extra={"model": model, "target": group.target, "question": group.question,
-                                                "profile": profile_id, "kind": outcome.kind})
-        out.append({"question": group.question, "target": group.target, "signature": group.signature,
-                    "labels": group.labels, "teacher_labels": len(group.samples) - group.labels,
-                    "replaces": current.id if current is not None and profile_id else None,
-                    "profile": profile_id, **outcome.describe()})
+            try:
+                outcome = await asyncio.to_thread(learn, group.samples, served)
+                profile_id = await store.accept(model, group, outcome) if outcome.kind is not None else None
+            except DecisionError as error:
+                out.append({**report, "profile": None, "accepted": None, "candidates": [], "served": {},
+                            "samples": len(group.samples), "reason": error.message})
+                continue
+            except Exception as error:
+                log.exception("learning failed", extra={"model": model, "question": group.question})
+                out.append({**report, "profile": None, "accepted": None, "candidates": [], "served": {},
+                            "samples": len(group.samples), "reason": f"learning failed: {type(error).__name__}"})
+                continue
+            if profile_id is not None:
+                log.info("profile accepted", extra={"model": model, "target": group.target,
+                                                    "question": group.question, "profile": profile_id,
+                                                    "kind": outcome.kind})
+            out.append({**report, "replaces": current.id if current is not None and profile_id else None,
+                        "profile": profile_id, **outcome.describe()})
     return {"object": "learning", "model": model, "decisions": len(rows), "questions": out}
 
 
@@ -303,10 +339,16 @@ def describe(row: LearnedProfile) -> dict[str, Any]:
     """A profile in ``GET /admin/profiles`` (its parameters left out: a head's weights are long)."""
     return {"id": row.id, "object": "profile", "model": row.model, "target": row.target, "question": row.question,
             "signature": row.signature, "version": row.version, "kind": row.kind, "active": row.active,
-            "accepted": row.accepted, "created_at": int(row.created_at.timestamp()),
-            "activated_at": int(row.activated_at.timestamp()) if row.activated_at else None,
+            "accepted": row.accepted, "created_at": _epoch(row.created_at), "activated_at": _epoch(row.activated_at),
             "labels": (row.metrics or {}).get("labels"), "cv": (row.metrics or {}).get("cv"),
             "served_before": (row.metrics or {}).get("served"), "replaced": (row.metrics or {}).get("replaced")}
+
+
+def _epoch(value: datetime | None) -> int | None:
+    """Seconds since the epoch of a stored time (SQLite hands them back naive; they were stored in UTC)."""
+    if value is None:
+        return None
+    return int((value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)).timestamp())
 
 
 def check_model(model: Any, stored: dict[str, int]) -> str:

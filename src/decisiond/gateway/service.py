@@ -161,8 +161,8 @@ class Gateway:
             if self.stored_models:
                 self._purger = asyncio.create_task(self._purge_decisions(), name="decisions-purge")
             self.profiles = ProfileStore(self.db)
-            if await self.read_profiles() or self.stored_models:
-                self._profile_reader = asyncio.create_task(self._read_profiles(), name="profiles-reader")
+            await self.read_profiles()
+            self._profile_reader = asyncio.create_task(self._read_profiles(), name="profiles-reader")
             log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
             log.warning("no API key is configured: every client that can reach this server may use every model "
@@ -178,11 +178,14 @@ class Gateway:
             await asyncio.sleep(USAGE_PURGE_INTERVAL_S)
 
     async def read_profiles(self) -> int:
-        """Read the active profiles into the book (``gateway.profiles``); how many. A database error leaves the book
-        as it was."""
+        """Read the active profiles into the book (``gateway.profiles``) where their set changed; how many. A
+        database error leaves the book as it was."""
         if self.profiles is None:
             return 0
         try:
+            ids = await self.profiles.active_ids()
+            if ids == self.profile_book.ids:  # the same set: nothing to read again
+                return len(ids)
             rows = await self.profiles.active()
         except Exception as error:
             log.warning("active profiles not read", extra={"error": one_line(error)})

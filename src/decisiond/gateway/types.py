@@ -116,6 +116,8 @@ class Context:
     batch_line: tuple[int, bool, Any] | None = None
     # The decision to keep, for a model with ``store: true`` (``decisions.record``); on its usage record.
     stored: dict[str, Any] | None = None
+    # The generation of the active learned profiles the response cache keyed this request under.
+    profiles_generation: str = ""
 
 
 Next = Callable[[Context, Any], Awaitable[Any]]

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ...errors import Unavailable
 
@@ -60,9 +60,10 @@ class Scored:
     logprobs: list[list[float]]
     computed_tokens: int
     reused_tokens: int = 0
-    # Per prompt, the model's final hidden state at the answer position (the input of its output layer), where the
-    # backend reads it; None where it does not. What a learned linear head reads (``gateway.learning``).
-    features: list[list[float] | None] | None = None
+    # Per prompt, the model's final hidden state at the answer position (the input of its output layer): a float
+    # vector (a list, or anything with ``tolist()``), where the backend reads it; None where it does not. What a
+    # learned linear head reads (``gateway.learning``).
+    features: list[Any] | None = None
 
 
 class Backend(Protocol):

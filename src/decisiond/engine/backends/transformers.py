@@ -30,9 +30,11 @@ Models whose attention is not plain causal over the whole context (sliding windo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Generator, Sequence
+import threading
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,14 +118,30 @@ class TransformersBackend:
         self.stats = Stats()
         self.description = description
         # The input of the output layer in the last forward pass (the final hidden states at the positions whose
-        # logits are read): each prompt's features (``Scored.features``).
+        # logits are read): each prompt's features (``Scored.features``), seen by a hook held during each pass.
         self._head_input: torch.Tensor | None = None
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is not None:
-            head.register_forward_pre_hook(self._capture)
+        self._head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
-    def _capture(self, module: Any, args: tuple[Any, ...]) -> None:
-        self._head_input = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    @contextlib.contextmanager
+    def _reading_head(self) -> Iterator[None]:
+        """Keep the output layer's input of the forward passes this thread runs meanwhile (``_head_input``). The
+        hook is the backend's own and lives only as long as the pass: another backend over the same model, on
+        another thread, neither sees nor disturbs it."""
+        self._head_input = None
+        if self._head is None:
+            yield
+            return
+        thread = threading.get_ident()
+
+        def capture(module: Any, args: tuple[Any, ...]) -> None:
+            if threading.get_ident() == thread and args and isinstance(args[0], torch.Tensor):
+                self._head_input = args[0]
+
+        handle = self._head.register_forward_pre_hook(capture)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def describe(self) -> str:
         return self.description or f"{self.name} (transformers)"
@@ -153,7 +171,7 @@ class TransformersBackend:
         for i, g in enumerate(groups):
             plans.append((yield from self._plan(i, g)))
         logprobs: list[dict[int, list[float]]] = [{} for _ in groups]
-        features: list[dict[int, list[float] | None]] = [{} for _ in groups]
+        features: list[dict[int, torch.Tensor | None]] = [{} for _ in groups]
         rows = [r for plan in plans for r in plan.rows]
         while rows:
             batch = self._next_pass(rows)
@@ -273,7 +291,7 @@ class TransformersBackend:
         return batch
 
     def _run(self, batch: list[RowWork], groups: list[Group]
-             ) -> list[list[tuple[list[float], list[float] | None]]]:
+             ) -> list[list[tuple[list[float], torch.Tensor | None]]]:
         """Label log-probs and features of every prompt of every row."""
         logits, where = self._forward(batch)
         hidden = self._head_input
@@ -293,7 +311,6 @@ class TransformersBackend:
         """One forward pass over padded rows, each after its own past, writing what each row stores. Returns the
         logits ``[rows, wanted, vocabulary]`` and where each target position (an index in its row) is among them."""
         rows = [w.row for w in batch]
-        self._head_input = None
         count, width = len(rows), max(len(r) for r in rows)
         ids = torch.zeros(count, width, dtype=torch.long)
         positions = torch.zeros(count, width, dtype=torch.long)
@@ -306,11 +323,12 @@ class TransformersBackend:
         mask = self._mask(batch, width, cache.past_len)
         ids, positions = ids.to(self.device), positions.to(self.device)
         keep = torch.tensor(wanted, device=self.device)
-        if self.decoder is not None:
-            logits = self.decoder(ids, positions, mask, cache, keep)
-        else:
-            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                                logits_to_keep=keep, **{self.cache_arg: cache}).logits
+        with self._reading_head():
+            if self.decoder is not None:
+                logits = self.decoder(ids, positions, mask, cache, keep)
+            else:
+                logits = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                    logits_to_keep=keep, **{self.cache_arg: cache}).logits
         cache.finish()
         self.stats.passes += 1
         self.stats.computed_tokens += sum(len(r) for r in rows)
@@ -338,18 +356,17 @@ class TransformersBackend:
     def reference(self, ids: Sequence[int], label_ids: Sequence[int]) -> list[float]:
         """One plain forward pass over one prompt: the yardstick the packed path is tested against."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        self._head_input = None
-        logits = self.model(input_ids=x, logits_to_keep=1, use_cache=False).logits[0, -1]
+        with self._reading_head():
+            logits = self.model(input_ids=x, logits_to_keep=1, use_cache=False).logits[0, -1]
         lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
         self.stats.passes += 1
         self.stats.computed_tokens += len(ids)
         return [float(lp[i]) for i in label_ids]
 
 
-def _feature(hidden: torch.Tensor | None, row: int, column: int) -> list[float] | None:
-    """A prompt's features: the output layer's input at its answer position, as float32 values (None when the
-    output layer was not seen)."""
+def _feature(hidden: torch.Tensor | None, row: int, column: int) -> torch.Tensor | None:
+    """A prompt's features: the output layer's input at its answer position, a float32 vector on the CPU (None when
+    the output layer was not seen). Left as a tensor: only the features of answers are turned into numbers."""
     if hidden is None or hidden.dim() != 3:
         return None
-    values: list[float] = hidden[row, column].to(torch.float32).tolist()
-    return values
+    return hidden[row, column].float().cpu()

@@ -41,7 +41,7 @@ from .guardrails import GuardrailSet
 
 log = logging.getLogger("decisiond.cache")
 
-KEY_VERSION = 1
+KEY_VERSION = 2
 REDIS_PREFIX = "decisiond:cache:"
 # After a Redis error, the cache does without Redis for this long before trying it again.
 REDIS_RETRY_S = 2.0
@@ -298,8 +298,9 @@ class CacheStage:
         in_force = self.guardrails.for_request(models, context.caller.guardrails) if self.guardrails else []
         fingerprint = [g.model_dump(mode="json") for g in in_force] or None
         cascade = self.catalog.virtual[name].model_dump(mode="json") if self.catalog.cascade_steps(name) else None
-        generation = self.profiles.generation if self.profiles is not None else ""
-        return cache_key(context.operation, name, target, request, fingerprint, cascade, generation), target
+        context.profiles_generation = self.profiles.generation if self.profiles is not None else ""
+        return cache_key(context.operation, name, target, request, fingerprint, cascade,
+                         context.profiles_generation), target
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         plan = self.plan(context, request)
@@ -336,7 +337,10 @@ class CacheStage:
         try:
             result = await call_next(context, request)
             blob = encode(result)
-            storable = _storable(result, context, target)
+            # An answer computed while the active profiles changed may be under either set: not stored (the key
+            # names the set read when the request was planned).
+            changed = self.profiles is not None and self.profiles.generation != context.profiles_generation
+            storable = _storable(result, context, target) and not changed
             if flight is not None and (storable or not context.calls):
                 # Waiters share even an answer that is not stored, but not a cascade's that escalated (its
                 # x-decisiond-escalated is this request's): they compute their own.
