@@ -305,7 +305,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"the project's labelled tickets split by ticket: {report['train']} to learn from, {report['held_out']} held "
         f"out ({report['seconds']} s in all). Metrics on the held-out tickets against their gold labels; ECE in "
         f"{BINS} bins.", "",
-        "## Labels: 100 labelled decisions, then `POST /admin/learn`", "",
+        f"## Labels: {report['train']} labelled decisions, then `POST /admin/learn`", "",
         "| question | accepted | accuracy before → after | log loss before → after | ECE before → after |",
         "|---|---|---:|---:|---:|"]
     labels = report["labels"]
@@ -313,7 +313,14 @@ def markdown(report: dict[str, Any]) -> str:
         a, learned = labels["after"][name], labels["learned"].get(name, {})
         lines.append(f"| {name} | {learned.get('accepted') or 'nothing'} | {b['accuracy']:.3f} → {a['accuracy']:.3f} | "
                      f"{b['log_loss']:.3f} → {a['log_loss']:.3f} | {b['ece']:.3f} → {a['ece']:.3f} |")
-    lines += ["", "What the acceptance rule saw (cross-validated on the 100 labels):", "",
+    team_before, team_after = labels["before"]["team"], labels["after"]["team"]
+    ratio = team_after["log_loss"] / team_before["log_loss"]
+    lines += ["", f"Target, for the one recurring question `team` after {report['train']} labels: held-out log loss at "
+              f"most half of before, accuracy ≥ 0.8. Measured: log loss × **{ratio:.2f}** "
+              f"({team_before['log_loss']:.3f} → {team_after['log_loss']:.3f}), "
+              f"accuracy **{team_after['accuracy']:.3f}** — "
+              f"{'met' if ratio <= 0.5 and team_after['accuracy'] >= 0.8 else 'NOT met'}."]
+    lines += ["", f"What the acceptance rule saw (cross-validated on the {report['train']} labels):", "",
               "| question | candidate | accuracy | log loss | gain ± SE | verdict |", "|---|---|---:|---:|---:|---|"]
     for name, learned in labels["learned"].items():
         lines.append(f"| {name} | served now | {learned['served']['accuracy']:.3f} | "

@@ -138,6 +138,10 @@ CASES = [
     _case("labels", "not-json", ["import", "{tmp}/not-json.jsonl"], "{tmp}/not-json.jsonl:1: request_id: missing"),
     _case("quality", "out-in-missing-folder", ["--model", "luna", "--png", "{tmp}/missing/quality.png"],
           "{tmp}/missing/quality.png: cannot write it: the folder {tmp}/missing does not exist"),
+    *(_case("learn", case, ["--model", "m", *args], line)
+      for case, args, line in CONFIG_CORE + DATABASE_CASES[:2]),
+    _case("learn", "model-not-stored", ["--model", "nothing", "--config", "{tmp}/db.yaml"],
+          "learn: --model 'nothing' keeps no decisions in {tmp}/db.yaml (models with store: true: none)"),
     _case("bench", "out-in-missing-folder", ["--out", "{tmp}/missing/bench.md"],
           "{tmp}/missing/bench.md: cannot write it: the folder {tmp}/missing does not exist"),
     _case("bench", "json-a-folder", ["--json", "{tmp}/folder"], "{tmp}/folder: cannot write it: it is a folder"),

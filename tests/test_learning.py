@@ -423,7 +423,7 @@ def test_a_rollback_serves_again_what_the_profile_displaced(tmp_path):
     import asyncio
 
     from decisiond.gateway.learning import Candidate, Outcome
-    from decisiond.gateway.profiles import Group, ProfileStore
+    from decisiond.gateway.profile_store import Group, ProfileStore
     from decisiond.store.db import Database
 
     async def run():

@@ -315,16 +315,16 @@ def register_learn(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
-    """Learn on the server's database, as ``POST /admin/learn`` does: every replica serves an accepted profile
-    within its ``learning.refresh_s``. Prints, per target and question, the cross-validated metrics of what is
-    served now and of each candidate, and what was accepted."""
+    """Learn on the server's database (``--database-url``, else ``--config``'s, else DECISIOND_DATABASE_URL, else the
+    default SQLite file), as ``POST /admin/learn`` does: every replica serves an accepted profile within its
+    ``learning.refresh_s``. With ``--config``, a model it does not store is refused. Prints, per target and
+    question, the cross-validated metrics of what is served now and of each candidate, and what was accepted."""
     config = load_config(args)
-    if config is None:
-        return refuse("learn: --config is required: the gateway YAML that names the model with store: true")
-    stored = [m.name for m in config.models if m.store] + [v.name for v in config.virtual_models if v.store]
-    if args.model not in stored:
-        return refuse(f"learn: --model {args.model!r} keeps no decisions in {args.config} (models with store: true: "
-                      f"{', '.join(stored) or 'none'})")
+    if config is not None:
+        stored = [m.name for m in config.models if m.store] + [v.name for v in config.virtual_models if v.store]
+        if args.model not in stored:
+            return refuse(f"learn: --model {args.model!r} keeps no decisions in {args.config} (models with store: "
+                          f"true: {', '.join(stored) or 'none'})")
     report = asyncio.run(_learn(args, config))
     if args.json:
         print(json.dumps(report, indent=2))
@@ -347,8 +347,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _learn(args: argparse.Namespace, config: GatewayConfig) -> dict[str, Any]:
-    from ..gateway.profiles import ProfileStore, learn_model
+async def _learn(args: argparse.Namespace, config: GatewayConfig | None) -> dict[str, Any]:
+    from ..gateway.profile_store import ProfileStore, learn_model
 
     db = await _open_database(args, config)
     try:

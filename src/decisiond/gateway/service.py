@@ -32,7 +32,8 @@ from .config import ConfigError
 from .decisions import DecisionStore
 from .journal import Journal, default_directory
 from .pipeline import Pipeline
-from .profiles import ProfileBook, ProfileStore
+from .profile_store import ProfileStore
+from .profiles import ProfileBook
 from .router import Router
 from .settings import GatewayConfig, GuardrailConfig, check_redis_url
 from .sizes import estimated_tokens

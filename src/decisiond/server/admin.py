@@ -39,7 +39,7 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
-from ..gateway import decisions, profiles, usage
+from ..gateway import decisions, profile_store, usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.auth import Authenticator
@@ -327,7 +327,7 @@ async def quality(request: Request) -> Any:
     except DecisionError as error:
         return openai_error(error)
     report = decisions.report(model, rows)
-    active = {row.question: profiles.describe(row) for row in learned if row.active and row.model == model}
+    active = {row.question: profile_store.describe(row) for row in learned if row.active and row.model == model}
     for question in report["questions"]:
         profile = active.get(question["question"])
         question["profile"] = None if profile is None else {
@@ -335,7 +335,7 @@ async def quality(request: Request) -> Any:
     return {**report, "since": since.isoformat() if since else None}
 
 
-def _profiles(gateway: Gateway) -> profiles.ProfileStore:
+def _profiles(gateway: Gateway) -> profile_store.ProfileStore:
     if gateway.profiles is None:
         raise Unavailable("learned profiles need a database; none is open")
     return gateway.profiles
@@ -343,7 +343,7 @@ def _profiles(gateway: Gateway) -> profiles.ProfileStore:
 
 @router.post("/learn")
 async def learn(request: Request) -> Any:
-    """Learn from a stored model's labels (``gateway.profiles.learn_model``): per target and question, the
+    """Learn from a stored model's labels (``gateway.profile_store.learn_model``): per target and question, the
     candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
     other replicas within ``learning.refresh_s``."""
     try:
@@ -352,8 +352,8 @@ async def learn(request: Request) -> Any:
         if not isinstance(body, dict) or set(body) - {"model"}:
             unknown = sorted(set(body) - {"model"}) if isinstance(body, dict) else []
             raise _bad(unknown[0] if unknown else "model", "the body is {\"model\": <a model with store: true>}")
-        model = profiles.check_model(body.get("model"), gateway.stored_models)
-        report = await profiles.learn_model(_profiles(gateway), model)
+        model = profile_store.check_model(body.get("model"), gateway.stored_models)
+        report = await profile_store.learn_model(_profiles(gateway), model)
         await gateway.read_profiles()
     except DecisionError as error:
         return openai_error(error)
@@ -368,7 +368,7 @@ async def list_profiles(request: Request) -> Any:
         rows = await _profiles(gateway).listing(request.query_params.get("model"))
     except DecisionError as error:
         return openai_error(error)
-    return {"object": "list", "data": [profiles.describe(row) for row in rows]}
+    return {"object": "list", "data": [profile_store.describe(row) for row in rows]}
 
 
 @router.put("/profiles/{profile_id}")
@@ -386,7 +386,7 @@ async def put_profile(request: Request, profile_id: str) -> Any:
         row = await store.get(profile_id)
     except DecisionError as error:
         return openai_error(error)
-    return {**profiles.describe(row), "active_for_question": now_active}
+    return {**profile_store.describe(row), "active_for_question": now_active}
 
 
 @router.get("/cache")
