@@ -246,6 +246,8 @@ def test_a_cascade_learns_from_its_strong_target_and_escalates_less(gateway):
     (row,) = quality["questions"]
     assert row["profile"]["id"] == profile and row["profile"]["kind"] == "head"
     assert row["profile"]["cv"]["accuracy"] >= 0.9 and row["profile"]["served_before"]["accuracy"] < 0.6
+    table = run_decisiond("quality", "--model", "triage", "--url", gateway.url, "--api-key", MASTER)
+    assert table.returncode == 0 and f"head v1 ({profile})" in table.stdout, table.stdout + table.stderr
 
     rolled = admin(gateway, "PUT", f"/admin/profiles/{profile}", json={"active": False})
     assert rolled.status_code == 200, rolled.text

@@ -291,14 +291,19 @@ def cmd_quality(args: argparse.Namespace) -> int:
     report = response.json()
     rows = [f"{report['model']}: {report['decisions']} stored decisions"
             + (f" since {report['since']}" if report.get("since") else ""), "",
-            "| question | stored | labels | accuracy | log loss | Brier | ECE | escalated |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| question | stored | labels | accuracy | log loss | Brier | ECE | escalated | profile | "
+            "profile accuracy (CV) | profile log loss (CV) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for q in report["questions"]:
         served = q["served"] or {}
         cells = [f"{served[k]:.3f}" if k in served else "–" for k in ("accuracy", "log_loss", "brier", "ece")]
         share = q["escalated_share"]
+        profile = q.get("profile") or {}
+        cv = profile.get("cv") or {}
+        learned = [f"{profile['kind']} v{profile['version']} ({profile['id']})" if profile else "none",
+                   *(f"{cv[k]:.3f}" if k in cv else "–" for k in ("accuracy", "log_loss"))]
         rows.append(f"| {q['question']} | {q['stored']} | {q['labels']} | " + " | ".join(cells)
-                    + f" | {'–' if share is None else f'{share:.1%}'} |")
+                    + f" | {'–' if share is None else f'{share:.1%}'} | " + " | ".join(learned) + " |")
     print("\n".join(rows))
     if args.png:
         _reliability_png(report, args.png)
