@@ -1,5 +1,5 @@
 """Learning from outcomes: a profile per target and question fitted from labelled answers, and the rule that accepts
-it. Pure (numpy, scipy): the gateway reads the samples (``gateway.profiles``) and stores what this decides.
+it. Pure (numpy, scipy): ``gateway.profile_store`` reads the samples and stores what this decides.
 
 - **A sample** is one answer a target gave to the question: the probabilities it gave before any learned profile
   (``base``), the model's final hidden state at the answer position where a local model gave it (``features``), and

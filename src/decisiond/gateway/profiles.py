@@ -1,10 +1,11 @@
 """Learned profiles, as served: the active ones of this process, applied by the router to each target's answers.
 Fitted by ``gateway.learning``, kept and learned by ``gateway.profile_store``.
 
-- **Learning** (``learn``; ``POST /admin/learn``, ``decisiond learn``): the newest ``LEARN_DECISIONS_MAX`` stored
-  decisions of a model with labels (or, for a cascade, teacher labels) give, per target and question, samples of
-  what the target answered; ``gateway.learning`` fits the candidates and applies the acceptance rule. An accepted
-  profile is a new row, made the active one of its target and question in the same transaction.
+- **Learning** (``profile_store.learn_model``; ``POST /admin/learn``, ``decisiond learn``): the newest
+  ``LEARN_DECISIONS_MAX`` stored decisions of a model with labels (or, for a cascade, teacher labels) give, per
+  target and question, samples of what the target answered; ``gateway.learning`` fits the candidates and applies
+  the acceptance rule. An accepted profile is a new row, made the active one of its target and question in the same
+  transaction.
 - **Whose answers.** A profile belongs to the *target* that answered (a model entry of the catalog) and to the
   question, by its ``signature``: its type, name, instructions and options, so that a question reworded is a new
   question. For a plain model, the samples are its own answers; for a cascade, its first step's answers, with the
@@ -16,8 +17,10 @@ Fitted by ``gateway.learning``, kept and learned by ``gateway.profile_store``.
   replaced (``Answer.base``) and its id (``Answer.profile``, the ``x-decisiond-profile`` header).
 - **Guarantee**: at most one profile is active per target and question (a partial unique index): a change is one
   transaction, so every replica reads either the old active set or the new one, never a mix.
-- **Rollback**: ``PUT /admin/profiles/{id} {"active": false}`` deactivates a profile and makes the one it replaced
+- **Rollback**: ``PUT /admin/profiles/{id} {"active": false}`` deactivates a profile and makes the one it displaced
   active again (where there was one); ``{"active": true}`` makes any accepted profile the active one.
+- **Not applied** to a request that sets its own ``temperature``, ``order`` or ``calibrate``: a profile was learned
+  from the target's defaults.
 """
 
 from __future__ import annotations
