@@ -56,5 +56,15 @@ def score_confidence(probabilities: Sequence[float]) -> float:
     return max(0.0, min(1.0, 1.0 - spread / unit))
 
 
+def confidence(kind: str, probabilities: Sequence[float]) -> float | None:
+    """An answer's confidence from its probabilities: a choice's or a score's; a predicate has none of its own
+    (None: the dialects read its probability)."""
+    if kind == "choice":
+        return choice_confidence(probabilities)
+    if kind == "score":
+        return score_confidence(probabilities)
+    return None
+
+
 def expected_level(probabilities: Sequence[float]) -> float:
     return math.fsum(i * p for i, p in enumerate(probabilities))

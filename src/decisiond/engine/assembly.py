@@ -60,11 +60,6 @@ def build_answer(prepared: PreparedQuestion, variants: list[VariantEvidence], co
                  bias: list[float] | None, with_ids: bool) -> Answer:
     question = prepared.question
     probabilities, spread = combine(variants, contextual, temperature, bias)
-    confidence = None
-    if question.kind == "choice":
-        confidence = probability.choice_confidence(probabilities)
-    elif question.kind == "score":
-        confidence = probability.score_confidence(probabilities)
     given = prepared.variants[0].prompt
     return Answer(
         kind=question.kind,
@@ -72,7 +67,7 @@ def build_answer(prepared: PreparedQuestion, variants: list[VariantEvidence], co
         probabilities=probabilities,
         label_logprobs=list(variants[0].logprobs),
         label_mass=math.fsum(probability.label_mass(v.logprobs) for v in variants) / len(variants),
-        confidence=confidence,
+        confidence=probability.confidence(question.kind, probabilities),
         prompt_tokens=sum(len(v.prompt.ids) for v in prepared.variants),
         prompt_token_ids=list(given.ids) if with_ids else None,
         label_token_ids=list(given.label_ids) if with_ids else None,

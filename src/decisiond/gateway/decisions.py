@@ -31,7 +31,7 @@ from ..store.db import Database
 from ..store.tables import StoredDecision
 from .cascade import Step
 from .learning import encode_features
-from .profiles import signature
+from .profiles import options, signature
 from .types import Caller
 
 MAX_LABELS = 400  # one per question at most (the largest question count a dialect takes)
@@ -199,10 +199,7 @@ def _pairs(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]) -
             gold = label_index(question, labels[name])
             if gold is None:  # checked when posted (``check_labels``): never
                 continue
-            probabilities = answers[k]
-            if question["type"] == "yes_no":
-                probabilities = [probabilities[0], 1.0 - probabilities[0]]
-            pairs.setdefault(name, []).append((probabilities, gold))
+            pairs.setdefault(name, []).append((options(answers[k], question["type"]), gold))
     return pairs
 
 

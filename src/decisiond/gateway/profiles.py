@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import probability
-from ..canonical import Answer, DecisionRequest, DecisionResult, Question
+from ..canonical import DecisionRequest, DecisionResult, Question
 from .fingerprint import request_tree
 from .learning import predict, prepare
 
@@ -98,19 +98,11 @@ class ProfileBook:
                 continue
             answer.base, answer.profile = list(answer.probabilities), profile.id
             answer.probabilities = changed if len(answer.probabilities) == len(changed) else changed[:1]
-            answer.confidence = _confidence(answer)
+            answer.confidence = probability.confidence(answer.kind, answer.probabilities)
 
 
 def options(probabilities: list[float], kind: str) -> list[float]:
-    """An answer's probabilities, one per option (a predicate given as [p] is [p, 1 − p])."""
-    if kind == "yes_no" and len(probabilities) == 1:
+    """An answer's probabilities, one per option: a predicate's, whether given as [p] or [p, q], as (p, 1 − p)."""
+    if kind == "yes_no":
         return [probabilities[0], 1.0 - probabilities[0]]
     return list(probabilities)
-
-
-def _confidence(answer: Answer) -> float | None:
-    if answer.kind == "choice":
-        return probability.choice_confidence(answer.probabilities)
-    if answer.kind == "score":
-        return probability.score_confidence(answer.probabilities)
-    return answer.confidence
