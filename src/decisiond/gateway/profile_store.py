@@ -253,9 +253,8 @@ def _epoch(value: datetime | None) -> int | None:
     return int((value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)).timestamp())
 
 
-def check_model(model: Any, stored: dict[str, int]) -> str:
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("model must be the name of a model or virtual model with store: true", ("model",))
+def check_model(model: str, stored: dict[str, int]) -> str:
+    """``model``, if it keeps decisions (``stored``: the names with ``store: true``); else 400 naming it."""
     if model not in stored:
         raise InvalidRequest(f"{model[:100]!r} keeps no decisions (learning reads the stored decisions of a model or "
                              "virtual model with store: true)", ("model",), code="model_not_stored")

@@ -341,6 +341,14 @@ def _profiles(gateway: Gateway) -> profile_store.ProfileStore:
     return gateway.profiles
 
 
+class LearnBody(StrictModel):
+    model: str = Field(min_length=1, max_length=256)
+
+
+class ProfileUpdate(StrictModel):
+    active: bool
+
+
 @router.post("/learn")
 async def learn(request: Request) -> Any:
     """Learn from a stored model's labels (``gateway.profile_store.learn_model``): per target and question, the
@@ -348,11 +356,8 @@ async def learn(request: Request) -> Any:
     other replicas within ``learning.refresh_s``."""
     try:
         gateway = await _master(request)
-        body = (await read_payload(request, ADMIN_BODY_LIMIT)).document
-        if not isinstance(body, dict) or set(body) - {"model"}:
-            unknown = sorted(set(body) - {"model"}) if isinstance(body, dict) else []
-            raise _bad(unknown[0] if unknown else "model", "the body is {\"model\": <a model with store: true>}")
-        model = profile_store.check_model(body.get("model"), gateway.stored_models)
+        body = validate_body(LearnBody, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
+        model = profile_store.check_model(body.model, gateway.stored_models)
         report = await profile_store.learn_model(_profiles(gateway), model)
         await gateway.read_profiles()
     except DecisionError as error:
@@ -377,11 +382,9 @@ async def put_profile(request: Request, profile_id: str) -> Any:
     ``{"active": true}`` serves an accepted profile again."""
     try:
         gateway = await _master(request)
-        body = (await read_payload(request, ADMIN_BODY_LIMIT)).document
-        if not isinstance(body, dict) or set(body) != {"active"} or not isinstance(body["active"], bool):
-            raise _bad("active", "the body is {\"active\": true | false}")
+        body = validate_body(ProfileUpdate, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
         store = _profiles(gateway)
-        now_active = await store.set_active(profile_id, body["active"])
+        now_active = await store.set_active(profile_id, body.active)
         await gateway.read_profiles()
         row = await store.get(profile_id)
     except DecisionError as error:
