@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ..errors import DecisionError, InvalidRequest, NotFound
 from ..limits import LEARN_DECISIONS_MAX
-from ..store.db import Database
+from ..store.db import Database, aware
 from ..store.tables import LearnedProfile, StoredDecision
 from .decisions import label_index
 from .learning import Outcome, Sample, decode_features, learn, predict, prepare
@@ -247,10 +247,9 @@ def describe(row: LearnedProfile) -> dict[str, Any]:
 
 
 def _epoch(value: datetime | None) -> int | None:
-    """Seconds since the epoch of a stored time (SQLite hands them back naive; they were stored in UTC)."""
-    if value is None:
-        return None
-    return int((value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)).timestamp())
+    """Seconds since the epoch of a stored time."""
+    stored = aware(value)
+    return None if stored is None else int(stored.timestamp())
 
 
 def check_model(model: str, stored: dict[str, int]) -> str:

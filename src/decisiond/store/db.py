@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -29,6 +30,13 @@ from ..limits import DATABASE_CONNECT_TIMEOUT_S, SQLITE_LOCK_POLL_S, SQLITE_LOCK
 MIGRATIONS = Path(__file__).with_name("migrations")
 T = TypeVar("T")
 _DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """A stored time as an aware one: SQLite hands timestamps back naive; they were stored in UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
 
 
 def data_directory() -> Path:

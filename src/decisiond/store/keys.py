@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from .db import Database
+from .db import Database, aware
 from .tables import ApiKey
 
 KEY_PREFIX = "dk-"
@@ -30,13 +30,6 @@ def split_key(key: str) -> tuple[str, str] | None:
     if not sep or not key_id or not secret or len(key_id) > 32:
         return None
     return key_id, secret
-
-
-def _aware(value: datetime | None) -> datetime | None:
-    """SQLite hands timestamps back naive; they were stored in UTC."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
-    return value
 
 
 @dataclass(frozen=True)
@@ -72,8 +65,8 @@ class KeyRecord:
 
     @classmethod
     def of(cls, row: ApiKey) -> "KeyRecord":
-        return cls(row.id, row.name, row.user_path, row.models, row.rate_limits, _aware(row.created_at) or
-                   datetime.now(timezone.utc), _aware(row.expires_at), _aware(row.revoked_at),
+        return cls(row.id, row.name, row.user_path, row.models, row.rate_limits, aware(row.created_at) or
+                   datetime.now(timezone.utc), aware(row.expires_at), aware(row.revoked_at),
                    list(row.guardrails or []))
 
 
