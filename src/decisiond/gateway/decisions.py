@@ -75,17 +75,23 @@ def record(request: DecisionRequest, result: DecisionResult, model: str, request
         "sources": None if steps else [source(a, target) for a in result.answers],
     }
     if steps:
-        stored["steps"] = [{"step": s.name, "position": s.position, "target": s.answered_by.name if s.answered_by
-                            else None, "answers": {
-            str(k): (None if a.refusal else list(a.probabilities)) for k, a in zip(s.asked, s.result.answers)},
-            "sources": {str(k): source(a, s.answered_by.name if s.answered_by else None, s is steps[0])
-                        for k, a in zip(s.asked, s.result.answers) if not a.refusal}}  # a first step learns
-            for s in steps if s.result is not None]
+        stored["steps"] = [_step(s, s is steps[0]) for s in steps if s.result is not None]
         later = {k for s in steps[1:] if s.result is not None for k in s.asked}
         teacher = {str(questions[k]["name"] if questions[k]["name"] is not None else k): stored["answers"][k]
                    for k in sorted(later) if stored["answers"][k] is not None}
         stored["teacher"] = teacher or None
     return stored
+
+
+def _step(step: Step, first: bool) -> dict[str, Any]:
+    """A cascade call as stored: its answers by the request's question index, and what computed them (features only
+    for the first step: the one a profile learns for)."""
+    assert step.result is not None
+    target = step.answered_by.name if step.answered_by else None
+    asked = list(zip(step.asked, step.result.answers))
+    return {"step": step.name, "position": step.position, "target": target,
+            "answers": {str(k): (None if a.refusal else list(a.probabilities)) for k, a in asked},
+            "sources": {str(k): source(a, target, first) for k, a in asked if not a.refusal}}
 
 
 def check_labels(questions: list[dict[str, Any]], body: Any) -> dict[str, Any]:
