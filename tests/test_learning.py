@@ -193,10 +193,21 @@ def gateway(flat_dir, tmp_path_factory):
 
 
 def ask(server, model: str, text: str) -> httpx.Response:
-    response = httpx.post(server.url + "/v1/decisions", headers={"Authorization": f"Bearer {ALICE}"}, timeout=60,
-                          json={"model": model, "input": text, "questions": [TEAM]})
+    """Ask as alice, computed afresh: the tests ask the same tickets again, and a response-cache hit is not a stored
+    decision (it could not be labelled)."""
+    response = httpx.post(server.url + "/v1/decisions", timeout=60, json={"model": model, "input": text,
+                                                                          "questions": [TEAM]},
+                          headers={"Authorization": f"Bearer {ALICE}", "Cache-Control": "no-cache"})
     assert response.status_code == 200, response.text
     return response
+
+
+def label_teams(server, request_ids: list[str], teams: list[str]) -> None:
+    """Post each decision's ``team`` label as alice (who asked them)."""
+    for request_id, team in zip(request_ids, teams, strict=True):
+        posted = httpx.post(f"{server.url}/v1/decisions/{request_id}/labels", timeout=30,
+                            headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": team}})
+        assert posted.status_code == 200, posted.text
 
 
 def admin(server, method: str, path: str, **kwargs) -> httpx.Response:
@@ -266,18 +277,13 @@ def test_random_labels_change_nothing_and_true_labels_teach_a_head(gateway):
     ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in TRAIN[:60]]
     stored(gateway, "flat", 60)
     rng = random.Random(7)
-    for request_id in ids:
-        posted = httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
-                            headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": rng.choice(TEAMS)}})
-        assert posted.status_code == 200, posted.text
+    label_teams(gateway, ids, [rng.choice(TEAMS) for _ in ids])
     learned = admin(gateway, "POST", "/admin/learn", json={"model": "flat"}).json()
     (question,) = learned["questions"]
     assert question["labels"] == 60 and question["profile"] is None and question["accepted"] is None, question
     assert "x-decisiond-profile" not in ask(gateway, "flat", HELD[0]).headers
 
-    for request_id, text in zip(ids, TRAIN[:60]):
-        httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
-                   headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+    label_teams(gateway, ids, [TICKETS[text] for text in TRAIN[:60]])
     learned = admin(gateway, "POST", "/admin/learn", json={"model": "flat"}).json()
     (question,) = learned["questions"]
     assert question["accepted"] == "head", question
@@ -296,9 +302,7 @@ def test_decisiond_learn_runs_the_same_learning_on_the_database(gateway):
     """``decisiond learn --config`` learns on the server's database; the server serves what it accepted."""
     texts = TRAIN[:60]
     ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in texts]
-    for request_id, text in zip(ids, texts):
-        httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
-                   headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+    label_teams(gateway, ids, [TICKETS[text] for text in texts])
     done = run_decisiond("learn", "--config", str(gateway.config), "--model", "flat")
     assert done.returncode == 0, done.stderr
     assert "| team | flat |" in done.stdout and "accepted: prof_" in done.stdout, done.stdout
@@ -318,9 +322,7 @@ def test_the_playground_shows_quality_and_the_profile_an_answer_went_through(gat
 
     texts = TRAIN[:60]
     ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in texts]
-    for request_id, text in zip(ids, texts):
-        httpx.post(f"{gateway.url}/v1/decisions/{request_id}/labels", timeout=30,
-                   headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+    label_teams(gateway, ids, [TICKETS[text] for text in texts])
     (question,) = admin(gateway, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
     profile = question["profile"]
     assert profile is not None, str(question)
@@ -383,9 +385,7 @@ def test_two_replicas_on_postgres_serve_the_same_active_profile(flat_dir, tmp_pa
         b = start_decisiond("--config", str(config))
         ids = [ask(a, "flat", text).headers["x-request-id"] for text in TRAIN[:40]]
         stored(a, "flat", 40)
-        for request_id, text in zip(ids, TRAIN):
-            httpx.post(f"{b.url}/v1/decisions/{request_id}/labels", timeout=30,
-                       headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": TICKETS[text]}})
+        label_teams(b, ids, [TICKETS[text] for text in TRAIN[:40]])
         (question,) = admin(a, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
         profile = question["profile"]
         assert profile is not None, str(question)
