@@ -13,7 +13,8 @@ import pytest
 from decisiond.errors import BudgetExceeded
 from decisiond.gateway.settings import BudgetConfig
 from decisiond.gateway.stages.budget_leases import LeaseBook
-from decisiond.gateway.stages.budget_ledger import BudgetStore, apply_charges
+from decisiond.gateway.stages.budget_sql import SqlLedger, apply_charges
+from decisiond.gateway.stages.budget_store import BudgetStore
 from decisiond.store.db import Database
 
 NANO = 1_000_000_000
@@ -24,21 +25,23 @@ class Replica:
 
     def __init__(self, db: Database):
         self.store = BudgetStore(db)
-        self.book = LeaseBook(self.store)
+        self.ledger = SqlLedger(db, 3600)
+        self.book = LeaseBook(self.ledger, self.store)
         self.grows = 0
-        grow = self.store.grow
+        grow = self.ledger.grow
 
         async def counted(*args, **kwargs):
             self.grows += 1
             return await grow(*args, **kwargs)
 
-        self.store.grow = counted  # type: ignore[method-assign]
+        self.ledger.grow = counted  # type: ignore[method-assign]
         self.charges: list = []
 
     async def write(self) -> None:
         charges, self.charges = self.charges, []
-        await self.store.db.write(lambda connection: apply_charges(connection, charges))
-        self.book.written(charges)
+        async with self.book.settling:
+            await self.store.db.write(lambda connection: apply_charges(connection, charges))
+            self.book.written(charges)
 
 
 async def run(url: str, limit_usd: float, worst_usd: float, requests: int, cost_usd: float, tag: str) -> dict:

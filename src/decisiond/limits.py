@@ -100,16 +100,17 @@ DATABASE_CONNECT_TIMEOUT_S = 10.0
 # again every SQLITE_LOCK_POLL_S.
 SQLITE_LOCK_WAIT_S = 5.0
 SQLITE_LOCK_POLL_S = 0.002
-# Budgets: the list is re-read from the database this often (a change on another replica is seen within it); a
-# reservation waits at most BUDGET_DB_TIMEOUT_S for the database (then 503; settlements ride on usage rows).
-BUDGET_CACHE_S = 2.0
+# Budgets: the list is re-read from the database at most this long after the last read (a change on another replica,
+# a lowered limit, takes back the room leased under the old one within it); a reservation waits at most
+# BUDGET_DB_TIMEOUT_S for the database (then 503; settlements ride on usage rows).
+BUDGET_CACHE_S = 1.0
 BUDGET_DB_TIMEOUT_S = 3.0
 # Budget leases (``gateway.stages.budget_leases``): a process takes room of a budget for up to this many of a
-# request's worst case at once (a quarter of the free room at most), gives back room unused for LEASE_IDLE_S, and
-# renews its live leases every LEASE_RENEW_S (a third of budget_reservation_ttl_s at most).
+# request's worst case at once (a quarter of the free room at most), gives back room unused for LEASE_IDLE_S, renews
+# its live leases every third of budget_reservation_ttl_s, and deletes past windows every LEASE_PURGE_S.
 LEASE_CHUNK_REQUESTS = 256
 LEASE_IDLE_S = 0.5
-LEASE_RENEW_S = 60.0
+LEASE_PURGE_S = 60.0
 # GET /admin/audit: rows per page at most.
 AUDIT_PAGE_MAX = 1000
 # The response cache (``gateway.stages.cache``): seconds an entry lives (in memory and in Redis), and the bytes of
@@ -132,10 +133,10 @@ CONCURRENCY_SLOT_TTL_S = 3600
 # The output tokens a chat answer may bill when its request sets no max_tokens (budgets reserve this much; per model:
 # max_output_tokens).
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
-# A budget reservation left by a request that never settled (its replica crashed, or the database was down when it
-# ended) is released this long after it was made, by whichever replica reserves on that budget next
-# (config: budget_reservation_ttl_s).
-BUDGET_RESERVATION_TTL_S = 3600
+# A budget hold (a process's lease) not renewed for this long, by the database's clock, is released by whichever
+# replica grows a lease on that budget next: its process died elsewhere, or stalled (config: budget_reservation_ttl_s).
+# Live processes renew every third of it; one that died on the same host is released at once.
+BUDGET_RESERVATION_TTL_S = 15.0
 # GET /metrics: question names (from clients) that get a label value of their own in the decision quality metrics,
 # per model and server process, by default and at most (config: metrics.question_labels; serve
 # --metrics-question-labels); later names are counted as "_other".

@@ -41,7 +41,8 @@ from .stages.allowlist import Allowlist
 from .stages.auth import Authenticator
 from .stages.budget import BudgetStage
 from .stages.budget_leases import LeaseBook
-from .stages.budget_ledger import BudgetStore
+from .stages.budget_sql import SqlLedger
+from .stages.budget_store import BudgetStore
 from .stages.cache import CacheStage, ResponseCache
 from .stages.guardrails import GuardrailSet, GuardrailStage, judge_question
 from .stages.ratelimit import RateLimiter, RateLimitStage
@@ -150,13 +151,13 @@ class Gateway:
             self.keys = KeyStore(self.db)
             self.decisions = DecisionStore(self.db)
             self.auth.store = self.keys
-            self.budgets = BudgetStore(self.db, self.config.budget_reservation_ttl_s)
+            self.budgets = BudgetStore(self.db)
             for budget in self.config.budgets:
                 await self.budgets.put(budget, "config")
+            self.leases = LeaseBook(SqlLedger(self.db, self.config.budget_reservation_ttl_s), self.budgets)
             await self.budgets.budgets()  # known from the start: a database that goes down later keeps this list
-            self.leases = LeaseBook(self.budgets)
             self.leases.start()
-            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal,
+            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal, settling=self.leases.settling,
                                      on_written=self.leases.written, on_dropped=self.leases.dropped)
             self.usage.start()
             if self.stored_models:

@@ -505,8 +505,10 @@ class GatewayConfig(BaseModel):
     """While the database cannot be reached, requests under a budget are admitted unchecked ("admit", the default:
     their usage rows wait in the usage journal) or refused with 503 ("refuse").
     """
-    budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, gt=0)
-    """Seconds after which a budget reservation that was never settled (its replica crashed) is released."""
+    budget_reservation_ttl_s: float = Field(default=BUDGET_RESERVATION_TTL_S, ge=1, le=86400)
+    """Seconds after its last renewal (by the database's clock) that a process's budget hold is released by other
+    replicas: its process died on another host, or stalled. Live processes renew every third of it and use a hold
+    for two thirds of it after each renewal; a process that died on the same host is released at once."""
     audit: AuditConfig = Field(default_factory=AuditConfig)
     """What each usage row keeps, and for how long."""
     otel: OtelConfig = Field(default_factory=OtelConfig)

@@ -57,7 +57,7 @@ from ..store.tables import UsageRow
 from ..store.usage_rows import insert_new_postgres, insert_new_sqlite, values_of
 from .decisions import insert_rows as insert_decisions
 from .journal import Journal, read_segment
-from .stages.budget_ledger import apply_charges
+from .stages.budget_sql import apply_charges
 from .types import Charge
 from .usage import UsageRecord
 
@@ -112,6 +112,9 @@ class UsageWriter:
     # taken up after a restart).
     on_written: Callable[[list[Charge]], None] | None = None
     on_dropped: Callable[[list[Charge]], None] | None = None
+    # Held from before each write of charges until those callbacks have run (``budget_leases.LeaseBook.settling``):
+    # whoever reads the ledger beside this process's view of it sees both as one.
+    settling: asyncio.Lock | None = None
     queue_max: int = USAGE_QUEUE_MAX
     # Records the journal could not take (its disk refused them), held in memory up to queue_max.
     buffer: list[dict[str, Any]] = field(default_factory=list)
@@ -251,12 +254,13 @@ class UsageWriter:
             for start in range(0, len(rows), USAGE_SLICE):  # the event loop serves requests between slices
                 fitted += [fit(r) for r in rows[start:start + USAGE_SLICE]]
                 await asyncio.sleep(0)
-            charges, dropped = await self._write(rows, fitted)
+            async with self.settling or contextlib.nullcontext():
+                charges, dropped = await self._write(rows, fitted)
+                if charges and self.on_written is not None:
+                    self.on_written(charges)
+                if dropped and self.on_dropped is not None:
+                    self.on_dropped(dropped)
             self.written += len(rows)
-            if charges and self.on_written is not None:
-                self.on_written(charges)
-            if dropped and self.on_dropped is not None:
-                self.on_dropped(dropped)
             return
         except asyncio.CancelledError:
             raise

@@ -43,7 +43,8 @@ from ..gateway import decisions, profile_store, usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.auth import Authenticator
-from ..gateway.stages.budget_ledger import BudgetStore, BudgetView
+from ..gateway.stages.budget_ledger import BudgetView
+from ..gateway.stages.budget_store import BudgetStore
 from ..gateway.types import Caller
 from ..limits import AUDIT_PAGE_MAX, QUALITY_DECISIONS_MAX
 from ..store.db import Database

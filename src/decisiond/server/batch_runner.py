@@ -47,7 +47,8 @@ from ..gateway.service import Gateway
 from ..gateway.settings import BatchesConfig
 from ..gateway.types import Caller, Context
 from ..limits import BATCH_FLUSH_LINES, BATCH_FLUSH_S, BATCH_MAX_AHEAD, BATCH_MAX_ERRORS, BATCH_POLL_S
-from ..store.batches import BatchStore, Result, runner_name
+from ..store.batches import BatchStore, Result
+from ..store.processes import holder_name
 from ..store.tables import BatchJob, StoredFile
 from .middleware import INTERNAL_ERROR
 from .routes import ROUTES, DecisionRoute, respond
@@ -97,7 +98,7 @@ class BatchRunner:
         self.store = store
         self.config = config
         self.clock = clock
-        self.name = runner_name()
+        self.name = holder_name()
         self._wake = asyncio.Event()
         self._stopping = False
         self._running: dict[str, asyncio.Task[None]] = {}

@@ -111,18 +111,20 @@ class BudgetWindow(Base):
 
 
 class BudgetReservation(Base):
-    """One request's reservation on one budget window, until it settles. ``budget_windows.reserved`` is the sum of
-    a window's live reservations; a reservation older than its time to live (its request never settled) is released
-    by the next request that reserves on that budget."""
+    """A hold on one budget window: the room one process's lease holds (``holder``: ``store.processes``), renewed
+    while the process lives (``created_ms``, the database's clock). ``budget_windows.reserved`` is the sum of a
+    window's holds; a hold not renewed for its time to live, or whose process died on the same host, is released."""
 
     __tablename__ = "budget_reservations"
-    __table_args__ = (Index("ix_budget_reservations_budget_created", "budget_id", "created_ms"),)
+    __table_args__ = (Index("ix_budget_reservations_budget_created", "budget_id", "created_ms"),
+                      Index("ix_budget_reservations_holder", "holder"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     budget_id: Mapped[str] = mapped_column(String(64))
     window_start: Mapped[int] = mapped_column(BigInteger)
     amount: Mapped[int] = mapped_column(BigInteger)
     created_ms: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str | None] = mapped_column(String(200), nullable=True)
 
 
 class StoredFile(Base):
