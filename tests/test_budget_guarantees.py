@@ -206,7 +206,9 @@ def test_decisions_counted_above_the_estimate_stay_within_the_budget(single):
     assert after["spent_usd"] == pytest.approx(statuses.count(200) * len(text.encode()) * 1000 / 1e6)
 
 
-def test_a_reservation_left_by_a_killed_replica_is_released_after_its_time_to_live(ups, tmp_path):
+def test_a_reservation_left_by_a_replica_killed_on_another_host_is_released_after_its_time_to_live(ups, tmp_path):
+    """A replica on another host dies holding a reservation: nothing here can tell that its process is gone, so its
+    hold goes only once it has not been renewed for ``budget_reservation_ttl_s`` (by the database's clock)."""
     database = tmp_path / "killed.sqlite3"
     server = start(tmp_path, f"sqlite:///{database}", ups)
     key = new_key(server)
@@ -225,6 +227,8 @@ def test_a_reservation_left_by_a_killed_replica_is_released_after_its_time_to_li
     assert held["reservations"] == 1 and held["reserved_usd"] > 1
     server.process.kill()  # SIGKILL: the reservation is never settled
     server.process.wait()
+    with contextlib.closing(sqlite3.connect(database)) as db, db:  # as if it had been a process of another host
+        db.execute("UPDATE budget_reservations SET holder = 'elsewhere/0/0:4242:beef'")
     server = start(tmp_path, f"sqlite:///{database}", ups)
     try:
         orphan = budget(server, ident)
@@ -241,6 +245,54 @@ def test_a_reservation_left_by_a_killed_replica_is_released_after_its_time_to_li
         assert after["spent_usd"] == pytest.approx(PER_CHAT)
         assert "released after their time to live" in server.log()
     finally:
+        server.stop()
+
+
+def test_sigkill_then_restart_on_the_same_host_strands_no_room(ups, tmp_path):
+    """Six clients spend a $100 budget; the server is SIGKILLed mid-spend, holding leased room and requests in flight,
+    then started again on the same host: the dead process's holds come back at once (its PID is gone), so the spend
+    reaches the limit within 10 s of the restart, never past it."""
+    database = f"sqlite:///{tmp_path}/sigkill.sqlite3"
+    server = start(tmp_path, database, ups)
+    key = new_key(server)
+    ident = put_budget(server, key=key["id"], limit_usd=100)
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def spend() -> None:
+        while not stop.is_set():
+            try:
+                status = chat(server, key["key"], stream=False)
+            except (openai.APIConnectionError, openai.APITimeoutError, httpx.HTTPError):
+                time.sleep(0.05)  # the server is down: ask again
+                continue
+            answered.append(status)
+            if status == 402:
+                time.sleep(0.05)
+
+    clients = [threading.Thread(target=spend, daemon=True) for _ in range(6)]
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + 60
+    while answered.count(200) < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.process.kill()  # SIGKILL: leased room and six requests in flight, never settled
+    server.process.wait()
+    server = start(tmp_path, database, ups)
+    restarted = time.monotonic()
+    try:
+        while time.monotonic() < restarted + 10:
+            time.sleep(0.1)
+        stop.set()
+        for client in clients:
+            client.join(60)
+        after = settled(server, ident)
+        # Every answered chat is charged; the room is all used: what is left does not fit one more ($1.073).
+        assert 100 - 1.073 < after["spent_usd"] <= 100 + 1e-9, after
+        assert after["reserved_usd"] == 0 and after["reservations"] == 0
+        assert "released" in server.log()
+    finally:
+        stop.set()
         server.stop()
 
 
@@ -355,6 +407,8 @@ budgets:
         deadline = time.monotonic() + 60
         while (view := budget(server, ident))["spent_usd"] < 0.18 - 1e-9 and time.monotonic() < deadline:
             time.sleep(0.2)
+        # A lease whose give-back failed while the database was down is read back, then given back, a moment later.
+        view = settled(server, ident)
         assert view["spent_usd"] == pytest.approx(6 * 0.03) and view["reservations"] == 0
     finally:
         server.stop()

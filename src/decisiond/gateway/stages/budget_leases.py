@@ -488,17 +488,25 @@ class LeaseBook:
         windows (``now``: ``time.time()``), forget leases of past windows once empty, and renew live ones."""
         now = time.time() if now is None else now
         clock = self.clock() if clock is None else clock
+        failed: Exception | None = None
         for key, lease in list(self.leases.items()):
             ended = lease.budget.window(now)[0] != lease.start
             idle = not lease.used and clock - lease.used_at >= LEASE_IDLE_S
             lease.used = False
-            if lease.room > 0 and (ended or idle) and not lease.doubtful and lease.id is not None:
-                room, lease.room, lease.chunk_requests = lease.room, 0, 0
-                await self._give_back(lease, lease.id, room)
+            try:
+                if lease.doubtful:  # an earlier read-back failed (the database was down): again
+                    await self._refresh(lease)
+                if lease.room > 0 and (ended or idle) and not lease.doubtful and lease.id is not None:
+                    room, lease.room, lease.chunk_requests = lease.room, 0, 0
+                    await self._give_back(lease, lease.id, room)
+            except Exception as error:  # the others are tended all the same
+                failed = error
             if ended and lease.room == 0 and not lease.doubtful:
                 del self.leases[key]
         if renew:
             await self.renew()
+        if failed is not None:
+            raise failed
 
     async def renew(self) -> None:
         """Renew every lease's hold; a lease whose hold is gone is left without room."""
