@@ -10,8 +10,6 @@ in one transaction with the batch's counts (``save``): a line is answered once i
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ from sqlalchemy.engine import Connection, make_url
 
 from .db import Database, data_directory, sqlite_file
 from .db import database_url as database_url_of
+from .processes import holder_gone
 from .tables import BatchJob, BatchResult, StoredFile
 
 # A batch whose lines are not all answered yet; FINAL: done, one way or another.
@@ -42,41 +41,6 @@ class Result:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
-
-
-def _machine() -> str:
-    """What tells this process's process table from another's: the host name, the kernel's boot id and the PID
-    namespace (two containers may share a host name, never both of the others)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
-    except OSError:
-        boot = namespace = "?"
-    return f"{socket.gethostname()}/{boot}/{namespace}"
-
-
-def runner_name() -> str:
-    """This process's name as a lease holder: ``machine:pid:random``."""
-    return f"{_machine()}:{os.getpid()}:{os.urandom(4).hex()}"
-
-
-def _holder_gone(runner: str | None) -> bool:
-    """Whether a lease holder is a process of this process table that has died (its lease need not run out)."""
-    if not runner:
-        return True
-    parts = runner.rsplit(":", 2)
-    if len(parts) != 3:
-        return False
-    machine, pid, _ = parts
-    if machine != _machine() or "?" in machine or not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
 
 
 def default_folder(database_url: str | None) -> Path:
@@ -167,14 +131,16 @@ class BatchStore:
         await self.db.write(run)
         return await self.batch(batch_id)
 
-    async def claim(self, runner: str, now: float, lease_s: float, skip: set[str]) -> BatchJob | None:
-        """The oldest active batch no live process holds, now held by ``runner`` until ``now + lease_s``; None when
-        there is none. Atomic: of two processes that claim one batch, one gets it."""
+    async def claim(self, runner: str, now: float, lease_s: float,
+                    skip: set[str]) -> tuple[BatchJob, str | None] | None:
+        """The oldest active batch no live process holds, now held by ``runner`` until ``now + lease_s``, with the
+        holder it was taken from (None: no one's); None when there is none. Atomic: of two processes that claim one
+        batch, one gets it."""
         async with self.db.session() as session:
             rows = (await session.execute(select(BatchJob.id, BatchJob.runner, BatchJob.lease_until).where(
                 BatchJob.status.in_(ACTIVE)).order_by(BatchJob.created_at, BatchJob.id).limit(100))).all()
         for batch_id, holder, until in rows:
-            if batch_id in skip or (holder is not None and (until or 0) > now and not _holder_gone(holder)):
+            if batch_id in skip or (holder is not None and (until or 0) > now and not holder_gone(holder)):
                 continue
 
             def take(connection: Connection, batch_id: str = batch_id, holder: str | None = holder,
@@ -185,7 +151,8 @@ class BatchStore:
                     runner=runner, lease_until=now + lease_s)).rowcount
 
             if await self.db.write(take) == 1:
-                return await self.batch(batch_id)
+                job = await self.batch(batch_id)
+                return (job, holder) if job is not None else None
         return None
 
     async def renew(self, batch_ids: list[str], runner: str, until: float) -> tuple[dict[str, str], set[str]]:
@@ -302,7 +269,7 @@ class BatchStore:
             if held is None:
                 return False
             for row in files:
-                connection.execute(insert(StoredFile), [_columns(row)])
+                connection.execute(insert(StoredFile), [file_columns(row)])
             connection.execute(delete(BatchResult).where(BatchResult.batch_id == batch_id))
             return True
 
@@ -324,7 +291,8 @@ def put_results(connection: Connection, batch_id: str, lines: list[tuple[int, bo
     connection.execute(statement, values)
 
 
-def _columns(row: StoredFile) -> dict[str, Any]:
+def file_columns(row: StoredFile) -> dict[str, Any]:
+    """A file's row as the values of an insert."""
     return {c.name: getattr(row, c.key) for c in StoredFile.__table__.columns}
 
 
