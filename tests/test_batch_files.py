@@ -73,7 +73,6 @@ def test_a_key_at_its_quota_is_refused_naming_the_limit_while_another_key_upload
     counts against her quota until she deletes it."""
     one = jsonl([line(f"q{i}") for i in range(5)])
     two = jsonl([line(f"r{i}") for i in range(10)])
-    assert len(two) == 2 * len(one)
     folder = tmp_path / "files"
     config = with_quota(write_config(tmp_path, upstream.url), 3 * len(one), 4, f"  files_path: {folder}\n")
     server = start_decisiond("--config", str(config))
@@ -90,23 +89,26 @@ def test_a_key_at_its_quota_is_refused_naming_the_limit_while_another_key_upload
         for _ in range(5):  # the master key has none
             master.files.create(file=("m.jsonl", two), purpose="batch")
 
-        alice.files.delete(held[0].id)  # room for one again
+        alice.files.delete(held[0].id)  # room for two small files: 4 files, under the bytes
         small = alice.files.create(file=("s.jsonl", jsonl([line("s")])), purpose="batch")
-        body = refused_over_quota(lambda: alice.files.create(file=("s.jsonl", jsonl([line("t")])), purpose="batch"))
-        assert "batches.max_files_per_key (4)" in body["message"]  # 4 files, under the bytes
+        extra = alice.files.create(file=("t.jsonl", jsonl([line("t")])), purpose="batch")
+        body = refused_over_quota(lambda: alice.files.create(file=("u.jsonl", jsonl([line("u")])), purpose="batch"))
+        assert "batches.max_files_per_key (4)" in body["message"]
 
-        for ident in (held[1].id, held[2].id):
+        for ident in (held[1].id, held[2].id, extra.id):
             alice.files.delete(ident)
         batch = alice.batches.create(input_file_id=small.id, endpoint="/v1/decisions", completion_window="24h")
         done = wait_for(alice, batch.id)
         assert done.status == "completed" and done.output_file_id
         output = alice.files.retrieve(done.output_file_id)
         assert output.purpose == "batch_output" and output.bytes > 0
-        # Alice holds the small input and the output: two files of S bytes fit only without the output.
-        assert small.bytes + output.bytes + len(two) > 3 * len(one) >= small.bytes + len(two)
-        refused_over_quota(lambda: alice.files.create(file=("r.jsonl", two), purpose="batch"))
+        # Alice holds the small input and the output: a file of the bytes the input leaves fits only without it.
+        rest = 3 * len(one) - small.bytes
+        fill = jsonl([line("fill", text="x" * (1 + rest - len(jsonl([line("fill", text="x")]))))])
+        assert len(fill) == rest
+        refused_over_quota(lambda: alice.files.create(file=("f.jsonl", fill), purpose="batch"))
         alice.files.delete(done.output_file_id)
-        alice.files.create(file=("r.jsonl", two), purpose="batch")
+        alice.files.create(file=("f.jsonl", fill), purpose="batch")
     finally:
         server.stop()
 
@@ -216,7 +218,7 @@ def test_output_files_expire_as_output_expires_after_says_then_404(tmp_path, ups
             now[0] = written[0].created_at + 3600  # the hour has passed
             runner.wake()
             for _ in range(300):
-                if all(await runner.store.file(row.id) is None for row in written):
+                if [await runner.store.file(row.id) for row in written] == [None, None]:
                     break
                 await asyncio.sleep(0.1)
             for row in written:
