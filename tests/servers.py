@@ -38,8 +38,12 @@ def _preloaded() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def _main(argv: list[str], env: dict[str, str], stdin: str, stdout: str, stderr: str) -> None:
-    """The child: its own environment and standard streams, then ``decisiond.cli.main`` and its exit code."""
+def _main(argv: list[str], env: dict[str, str], stdin: str, stdout: str, stderr: str,
+          umask: int | None = None) -> None:
+    """The child: its own environment, standard streams and (given one) umask, then ``decisiond.cli.main`` and its
+    exit code."""
+    if umask is not None:
+        os.umask(umask)
     os.environ.clear()
     os.environ.update(env)
     for fd, path, mode in ((0, stdin, os.O_RDONLY), (1, stdout, os.O_WRONLY | os.O_APPEND),
@@ -68,7 +72,7 @@ class Child:
     """A decisiond process with the part of ``subprocess.Popen``'s interface the tests use."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None, stdin: bytes | None,
-                 merged: bool = False) -> None:
+                 merged: bool = False, umask: int | None = None) -> None:
         folder = Path(tempfile.mkdtemp(prefix="decisiond-"))
         self.stdin_path, self.stdout_path = folder / "stdin", folder / "stdout"
         self.stderr_path = self.stdout_path if merged else folder / "stderr"
@@ -79,7 +83,7 @@ class Child:
         self.process = _preloaded().Process(
             target=_main, daemon=True,
             args=(argv, dict(os.environ) if env is None else env, str(self.stdin_path), str(self.stdout_path),
-                  str(self.stderr_path)))
+                  str(self.stderr_path), umask))
         self.process.start()
         self.pid = self.process.pid
 
@@ -161,12 +165,13 @@ class RunningServer:
         stop_process(self.process, 20)
 
 
-def start_decisiond(*args: str, env: dict | None = None, ready_timeout: float = 300.0) -> RunningServer:
+def start_decisiond(*args: str, env: dict | None = None, ready_timeout: float = 300.0,
+                    umask: int | None = None) -> RunningServer:
     """``decisiond serve ARGS`` on a free loopback port, once ``/health`` answers; stdout and stderr in one log.
-    ``env`` is added to the test process's environment."""
+    ``env`` is added to the test process's environment; ``umask``, given, is the server process's."""
     port = free_port()
     process = Child(["serve", "--host", "127.0.0.1", "--port", str(port), *args],
-                    {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, None, merged=True)
+                    {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, None, merged=True, umask=umask)
     server = RunningServer(f"http://127.0.0.1:{port}", process, process.stdout_path)
     deadline = time.monotonic() + ready_timeout
     with httpx.Client(timeout=2) as client:  # one client: each new one loads the CA bundle (~80 ms of CPU)

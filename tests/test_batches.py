@@ -286,8 +286,9 @@ def test_a_score_batch_line_is_answered_in_the_score_routes_shape(gateway):
 
 
 class Gate:
-    """An upstream whose answers wait until the test opens the gate: the test, not the machine's speed, says when
-    lines are answered. ``seen`` counts the requests that arrived."""
+    """An upstream whose answers wait until the test opens the gate (or lets more through: ``let``): the test, not
+    the machine's speed, says when lines are answered. ``count`` counts the requests that arrived, ``asked`` how
+    often each input was asked."""
 
     def __init__(self, open_first: int = 0):
         self.inner = upstreams.openai_server()
@@ -306,13 +307,20 @@ class Gate:
             again = self.asked.get(text, 0)
             self.asked[text] = again + 1
             self.arrived.notify_all()
-        if n > self.open_first:
-            self.opened.wait(120)
+            deadline = time.monotonic() + 120
+            while n > self.open_first and not self.opened.is_set() and time.monotonic() < deadline:
+                self.arrived.wait(0.05)
         status, headers, body = self.inner.handler(seen)
         if again:  # asked again: another answer, so that a test sees which answer a line kept
             for answer in body["answers"]:
                 answer["probability"] = 0.55
         return status, headers, body
+
+    def let(self, more: int) -> None:
+        """Let ``more`` of the requests that wait (or are still to come) through."""
+        with self.arrived:
+            self.open_first += more
+            self.arrived.notify_all()
 
     def wait_for(self, count: int, timeout: float = 120.0) -> None:
         with self.arrived:

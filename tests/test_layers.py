@@ -127,10 +127,11 @@ def test_a_cycle_would_be_found():
 
 
 def _layers() -> list[tuple[str, set[str]]]:
-    """The numbered layer list in gateway/__init__.py: ``N. name: file.py other.py package/``."""
+    """The numbered layer list in gateway/__init__.py: ``N. name: file.py other.py package/``, the files going on
+    over indented lines until the layer's description (``— …``)."""
     doc = ast.get_docstring(ast.parse((PACKAGE / "gateway" / "__init__.py").read_text())) or ""
     layers = []
-    for match in re.finditer(r"^(\d+)\. (\w+): (.+)$", doc, re.M):
+    for match in re.finditer(r"^(\d+)\. (\w+): (.+(?:\n {3}(?!—).+)*)$", doc, re.M):
         members = set()
         for entry in match.group(3).split():
             name = "decisiond.gateway." + entry.removesuffix(".py").rstrip("/").replace("/", ".")

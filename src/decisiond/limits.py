@@ -149,6 +149,9 @@ MAX_QUESTION_LABELS = 1000
 # and renews its leases, and how many answered lines are written in one transaction (at least every
 # BATCH_FLUSH_S).
 BATCH_MAX_FILE_BYTES = 200 * 1024 * 1024
+# What one key may hold in the files folder (its uploads and its batches' outputs) by default: bytes and files.
+BATCH_MAX_BYTES_PER_KEY = 10 * 1024 * 1024 * 1024
+BATCH_MAX_FILES_PER_KEY = 1000
 BATCH_CONCURRENCY = 8
 BATCH_LEASE_S = 30.0
 BATCH_MAX_CUSTOM_ID = 512

@@ -232,6 +232,11 @@ class Journal:
                 continue
             yield Orphan(lock, fd, _segments(self.directory, lock.name[:-len(".lock")]))
 
+    def held(self, pid: int) -> bool:
+        """Whether a journal of process ``pid`` is still on the directory (its lock file: records not all written,
+        or a replay of them under way)."""
+        return any(lock.name.startswith(f"{pid}-") for lock in self.directory.glob("*.lock"))
+
     def dead_letter(self, row: dict[str, Any], error: str) -> None:
         """Keep a record the database refused, with why, in ``dead-letter.jsonl`` (one line, appended)."""
         line = encode_row({"error": error, "record": row})

@@ -20,9 +20,6 @@ from pydantic import (
 )
 
 from ..limits import (
-    BATCH_CONCURRENCY,
-    BATCH_LEASE_S,
-    BATCH_MAX_FILE_BYTES,
     BUDGET_RESERVATION_TTL_S,
     CACHE_MAX_BYTES,
     CACHE_TTL_S,
@@ -33,6 +30,7 @@ from ..limits import (
     MAX_QUESTION_LABELS,
     PROFILE_REFRESH_S,
 )
+from .batch_settings import BatchesConfig
 from .pricing import Pricing
 from .virtual import VirtualModelConfig, check_chains
 
@@ -441,27 +439,6 @@ class MetricsConfig(BaseModel):
     """
 
 
-class BatchesConfig(BaseModel):
-    """The Batch API (``POST /v1/files``, ``POST /v1/batches``; ``gateway.batches``). It needs the gateway's
-    database: a server without one answers those routes with 400."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    files_path: str | None = None
-    """The folder uploaded files and batch outputs are kept in; unset: ``files`` in the data directory. Replicas
-    that share a database must share this folder too (any of them may run a batch and serve its files)."""
-    max_file_bytes: int = Field(default=BATCH_MAX_FILE_BYTES, ge=1)
-    """The largest file ``POST /v1/files`` takes, in bytes (413 above it)."""
-    concurrency: int = Field(default=BATCH_CONCURRENCY, ge=1, le=256)
-    """Lines of one batch answered at once. A batch's lines take what the rate limits leave: a line refused by a
-    rate limit waits and is asked again, never failed."""
-    max_running: int = Field(default=2, ge=1, le=64)
-    """Batches one server process runs at once; the others wait their turn."""
-    lease_s: float = Field(default=BATCH_LEASE_S, gt=0)
-    """How long a batch stays with the process running it without a word from it: a batch whose process died on
-    another host is taken up by another replica after this long (on the same host, at once)."""
-
-
 class LearningConfig(BaseModel):
     """Learned profiles (``POST /admin/learn``; ``gateway.profiles``)."""
 
@@ -516,7 +493,8 @@ class GatewayConfig(BaseModel):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """How the decision quality metrics of ``GET /metrics`` are labelled: how many question names get their own."""
     batches: BatchesConfig = Field(default_factory=BatchesConfig)
-    """The Batch API: where files are kept, their size limit, how many lines and batches run at once."""
+    """The Batch API: where files are kept, their size limit and each key's quota, how many lines and batches run at
+    once."""
     learning: LearningConfig = Field(default_factory=LearningConfig)
     """Learned profiles: how often each replica reads the active ones."""
     default_model: str | None = None

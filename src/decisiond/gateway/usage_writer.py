@@ -53,6 +53,7 @@ from ..limits import (
 )
 from ..store.batches import put_results
 from ..store.db import Database, transient
+from ..store.processes import pid_gone
 from ..store.tables import UsageRow
 from ..store.usage_rows import insert_new_postgres, insert_new_sqlite, values_of
 from .decisions import insert_rows as insert_decisions
@@ -126,6 +127,8 @@ class UsageWriter:
     # Set once the journals of dead processes found at start are written (``batch_runner`` waits for it).
     replayed: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # Held while dead processes' journals are replayed: one replay at a time (the scan's, ``replay_orphans``).
+    _replaying: asyncio.Lock = field(default_factory=asyncio.Lock)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _scan_at: float = 0.0
     _drained_at: float = 0.0
@@ -227,16 +230,33 @@ class UsageWriter:
             del self.buffer[:len(batch)]
 
     async def _replay_orphans(self, journal: Journal) -> None:
-        for orphan in journal.orphans():
-            before = self.written
-            try:
-                for segment in orphan.segments:
-                    await self._write_rows(read_segment(segment))
-                    segment.unlink(missing_ok=True)
-            finally:
-                orphan.release()
-            log.info("usage journal of a stopped process replayed",
-                     extra={"journal": str(orphan.lock), "records": self.written - before})
+        async with self._replaying:
+            for orphan in journal.orphans():
+                before = self.written
+                try:
+                    for segment in orphan.segments:
+                        await self._write_rows(read_segment(segment))
+                        segment.unlink(missing_ok=True)
+                finally:
+                    orphan.release()
+                log.info("usage journal of a stopped process replayed",
+                         extra={"journal": str(orphan.lock), "records": self.written - before})
+
+    async def replay_orphans(self, pid: int | None = None) -> None:
+        """Write the journals of dead processes now, not at the next scan; with ``pid`` (a process of this host
+        that has died: ``batch_takeover``), return only once that process's journal is in the database, also when
+        another process on the host is replaying it. Safe beside the background scan (one replay at a time in this
+        process: a journal it is writing is waited for; another process's, up to ``USAGE_ORPHAN_SCAN_S``). Raises
+        the database's error (``DatabaseDown``) when the records could not be written: they stay in the journal, and
+        a later call writes them."""
+        journal = self.journal
+        if journal is None:
+            return
+        await self._replay_orphans(journal)
+        deadline = time.monotonic() + USAGE_ORPHAN_SCAN_S
+        while pid is not None and journal.held(pid) and pid_gone(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # another process on the host is writing it
+            await self._replay_orphans(journal)
 
     async def _write_rows(self, rows: Iterator[dict[str, Any]]) -> None:
         while batch := list(itertools.islice(rows, USAGE_BATCH)):

@@ -5,8 +5,12 @@
   that is a decision route and an object ``body`` — and a file with a bad line is refused (400, naming the line);
   ``GET /v1/files`` (``purpose``, ``after``, ``limit``, ``order``), ``GET /v1/files/{id}``,
   ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``;
-- ``POST /v1/batches`` ``{input_file_id, endpoint, completion_window: "24h", metadata?}``, ``GET /v1/batches``
-  (``after``, ``limit``), ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
+- ``POST /v1/batches`` ``{input_file_id, endpoint, completion_window: "24h", metadata?, output_expires_after?}``,
+  ``GET /v1/batches`` (``after``, ``limit``), ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
+
+Each key holds at most ``batches.max_bytes_per_key`` bytes in ``batches.max_files_per_key`` files (``store.quotas``;
+over it, an upload is 400 ``file_quota_exceeded``); the files folder and its files are private to the OS user
+(``files_fs``). Files past their ``expires_at`` are deleted by the runner's housekeeping (then 404).
 
 A key sees only the files and batches it made (404 for the others); the master key, or anyone on a server without
 keys, sees all. The batches themselves are run by ``batch_runner``. Both APIs need the gateway's database (400
@@ -43,8 +47,9 @@ from ..limits import (
     BODY_READ_TIMEOUT_S,
     FILE_LIST_MAX,
 )
-from ..store.batches import BatchStore
+from ..store.quotas import Quota, add_within, check_room
 from ..store.tables import BatchJob, StoredFile
+from . import files_fs
 from .batch_runner import ENDPOINTS, BatchRunner
 from .payload import read_payload, too_large
 from .routes import authenticate, openai_error
@@ -127,8 +132,7 @@ async def _create_file(request: Request) -> JSONResponse:
         runner = _runner(request)
         form = await _form(request, runner.config.max_file_bytes)
         try:
-            row = await _stored_upload(runner.store, caller, form, request.app.state.settings.max_body_bytes,
-                                       runner.config.max_file_bytes, runner.clock)
+            row = await _stored_upload(runner, caller, form, request.app.state.settings.max_body_bytes)
         finally:
             for _, value in form.multi_items():
                 if isinstance(value, UploadFile):
@@ -225,8 +229,10 @@ async def _form(request: Request, max_file_bytes: int) -> Any:
                       code="invalid_multipart") from None
 
 
-async def _stored_upload(store: BatchStore, caller: Caller, form: Any, max_line_bytes: int, max_file_bytes: int,
-                         clock: Any) -> StoredFile:
+async def _stored_upload(runner: BatchRunner, caller: Caller, form: Any, max_line_bytes: int) -> StoredFile:
+    """The upload checked, copied into the files folder and recorded within its key's quota (``store.quotas``:
+    refused before it is copied when it cannot fit, and recorded only if it still fits)."""
+    store, config = runner.store, runner.config
     purpose = form.get("purpose")
     if purpose is None:
         raise invalid("purpose is required", "purpose", code="missing_required_parameter")
@@ -236,16 +242,18 @@ async def _stored_upload(store: BatchStore, caller: Caller, form: Any, max_line_
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise invalid("file is required: the file part of the form", "file", code="missing_required_parameter")
-    now = int(clock())
+    now = int(runner.clock())
     expires_at = now + _expires_after(form)
+    quota = None if caller.master else Quota(config.max_bytes_per_key, config.max_files_per_key)
+    await check_room(store.db, caller.key_id, upload.size or 0, quota)
     file_id = "file-" + secrets.token_hex(12)
     name = f"{file_id}.jsonl"
-    size, lines = await asyncio.to_thread(_check_and_copy, upload.file, store.folder, name, max_line_bytes,
-                                          max_file_bytes)
+    size, lines = await asyncio.to_thread(_check_and_copy, upload.file, store.folder, file_id, max_line_bytes,
+                                          config.max_file_bytes)
     row = StoredFile(id=file_id, key_id=caller.key_id, filename=(upload.filename or "batch.jsonl")[:256],
                      purpose="batch", bytes=size, lines=lines, path=name, created_at=now, expires_at=expires_at)
     try:
-        await store.add_file(row)
+        await add_within(store.db, row, quota)
     except BaseException:
         (store.folder / name).unlink(missing_ok=True)
         raise
@@ -265,22 +273,23 @@ def _expires_after(form: Any) -> int:
     return number
 
 
-def _check_and_copy(source: IO[bytes], folder: Path, name: str, max_line_bytes: int,
+def _check_and_copy(source: IO[bytes], folder: Path, file_id: str, max_line_bytes: int,
                     max_file_bytes: int) -> tuple[int, int]:
-    """Copy the upload into ``folder/name`` line by line, checking each (400 naming the first bad line, nothing
-    kept): its size and request lines. ``custom_id`` uniqueness is checked in a SQLite file beside it, so memory
-    stays bounded whatever the file's size."""
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / name
-    partial = folder / f".{name}.part"
-    seen_path = folder / f".custom-ids-{secrets.token_hex(8)}.sqlite3"
+    """Copy the upload into ``folder/<file_id>.jsonl`` line by line, checking each (400 naming the first bad line,
+    nothing kept): its size and request lines. ``custom_id`` uniqueness is checked in a SQLite file beside it, so
+    memory stays bounded whatever the file's size. Its files are private (``files_fs``: 0600, in a 0700 folder) and
+    its temporary ones named after this process (``files_fs.sweep`` deletes them if it dies)."""
+    files_fs.make_folder(folder)
+    target = folder / f"{file_id}.jsonl"
+    partial, seen_path = files_fs.upload_names(folder, file_id)
+    files_fs.create(seen_path).close()  # an empty file is an empty database, made 0600 before SQLite opens it
     seen = sqlite3.connect(seen_path)
     size = lines = 0
     try:
         seen.execute("PRAGMA journal_mode=OFF")
         seen.execute("PRAGMA synchronous=OFF")
         seen.execute("CREATE TABLE ids (id TEXT PRIMARY KEY, line INTEGER)")
-        with partial.open("wb") as out:
+        with files_fs.create(partial) as out:
             n = 0
             while True:
                 raw = source.readline(max_line_bytes + 2)
@@ -342,12 +351,20 @@ def _check_line(n: int, raw: bytes) -> str:
 # Batches
 
 
+class ExpiresAfter(StrictModel):
+    """``output_expires_after``: the output and error files expire ``seconds`` after they are written (OpenAI's
+    bounds, as a file's ``expires_after``)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRES_MIN_S, le=EXPIRES_MAX_S)
+
+
 class BatchCreate(StrictModel):
     input_file_id: str = Field(min_length=1, max_length=64)
     endpoint: str
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
-    output_expires_after: dict[str, Any] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
     @field_validator("endpoint")
     @classmethod
@@ -418,7 +435,8 @@ async def _create_batch(request: Request) -> JSONResponse:
                        completion_window=body.completion_window, status="validating", batch_metadata=body.metadata,
                        errors=None, total=source.lines, completed=0, failed=0, input_tokens=0, cached_tokens=0,
                        output_tokens=0, next_line=0, created_at=now,
-                       expires_at=now + COMPLETION_WINDOWS[body.completion_window])
+                       expires_at=now + COMPLETION_WINDOWS[body.completion_window],
+                       output_expires_s=body.output_expires_after.seconds if body.output_expires_after else None)
         await runner.store.add_batch(row)
     except DecisionError as error:
         return openai_error(error)

@@ -18,7 +18,8 @@ A process's ``BatchRunner`` claims active batches no live process holds (``store
   ``batch_expired``) in the transaction that records them.
 
 Exactly once: answered lines are stored with the batch's progress in one transaction (``BatchStore.save``), a group
-at a time. A process killed mid-batch leaves its lease to run out (at once on the same host); the next process
+at a time. A process killed mid-batch leaves its lease to run out (at once on the same host, where the next holder
+first writes the dead one's usage journal, and with it the lines it answered: ``batch_takeover``); the next process
 answers the lines not stored — some lines twice, then, but their usage rows have fixed ids (``Context.record_id``),
 so each line leaves one usage row and is charged once, and its line appears once in the output. Memory stays
 bounded: the input is read a line at a time, at most ``concurrency`` lines are in flight, answers go to the database
@@ -43,13 +44,15 @@ import orjson
 
 from ..canonical import DecisionResult, ScoreResult
 from ..errors import RETRY_HEADERS, DecisionError, one_line
+from ..gateway.batch_settings import BatchesConfig
 from ..gateway.service import Gateway
-from ..gateway.settings import BatchesConfig
 from ..gateway.types import Caller, Context
 from ..limits import BATCH_FLUSH_LINES, BATCH_FLUSH_S, BATCH_MAX_AHEAD, BATCH_MAX_ERRORS, BATCH_POLL_S
 from ..store.batches import BatchStore, Result
-from ..store.processes import holder_name
+from ..store.processes import runner_name
 from ..store.tables import BatchJob, StoredFile
+from . import files_fs
+from .batch_takeover import Stopping, replay_dead_holder
 from .middleware import INTERNAL_ERROR
 from .routes import ROUTES, DecisionRoute, respond
 
@@ -64,10 +67,8 @@ RETRY_MAX_S = 60.0
 CALLER_CHECK_S = 5.0
 # Inputs a running batch remembers as computed (``_answer``).
 WARM_INPUTS = 4096
-# How often files past their expires_at are deleted.
+# How often files past their expires_at, and temporary files of interrupted work (``files_fs.sweep``), are deleted.
 FILE_EXPIRY_SCAN_S = 60.0
-# How old a temporary file of a finalizing must be before housekeeping deletes it.
-TEMPORARY_TTL_S = 3600.0
 # How long a stopping runner lets the lines in flight finish before it cancels them.
 STOP_GRACE_S = 5.0
 
@@ -98,7 +99,7 @@ class BatchRunner:
         self.store = store
         self.config = config
         self.clock = clock
-        self.name = holder_name()
+        self.name = runner_name()
         self._wake = asyncio.Event()
         self._stopping = False
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -107,7 +108,7 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.store.folder.mkdir(parents=True, exist_ok=True)
+        files_fs.make_folder(self.store.folder)
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
 
     def wake(self) -> None:
@@ -139,10 +140,11 @@ class BatchRunner:
         while not self._stopping:
             try:
                 while len(self._running) < self.config.max_running:
-                    job = await self.store.claim(self.name, self.clock(), self.config.lease_s, set(self._running))
-                    if job is None:
+                    claimed = await self.store.claim(self.name, self.clock(), self.config.lease_s, set(self._running))
+                    if claimed is None:
                         break
-                    self._running[job.id] = task = asyncio.create_task(self._run(job), name=f"batch {job.id}")
+                    job, previous = claimed
+                    self._running[job.id] = task = asyncio.create_task(self._run(job, previous), name=f"batch {job.id}")
                     task.add_done_callback(self._forget(job.id))
                 if self.clock() - renewed >= self.config.lease_s / 3:
                     renewed = self.clock()
@@ -172,18 +174,17 @@ class BatchRunner:
 
     async def _expire_files(self) -> None:
         """Housekeeping: files past their ``expires_at`` (not while an active batch reads them), answered lines
-        left behind by finished batches, and temporary files of a finalizing that was killed."""
+        left behind by finished batches, and temporary files of interrupted uploads and finalizings."""
         for file_id in await self.store.expired_files(int(self.clock())):
             if not await self.store.in_use(file_id):
                 await self.store.delete_file(file_id)
         await self.store.sweep()
-        for leftover in self.store.folder.glob(".*.tmp"):
-            with contextlib.suppress(OSError):
-                if time.time() - leftover.stat().st_mtime > TEMPORARY_TTL_S:
-                    leftover.unlink()
+        await asyncio.to_thread(files_fs.sweep, self.store.folder)
 
-    async def _run(self, job: BatchJob) -> None:
+    async def _run(self, job: BatchJob, previous: str | None = None) -> None:
+        """Run the batch claimed from ``previous`` (its holder before, if any) from where it is to its end."""
         try:
+            await replay_dead_holder(self.gateway.usage, previous, lambda: self._stopping)
             if job.status in ("validating", "in_progress") and self.clock() >= job.expires_at:
                 job = await self._set(job, status="finalizing", finalizing_at=int(self.clock()))
             if job.status == "validating":
@@ -192,7 +193,7 @@ class BatchRunner:
                 job = await self._answer(job)
             if job.status in ("finalizing", "cancelling"):
                 await self._finalize(job)
-        except (Stopped, asyncio.CancelledError):
+        except (Stopped, Stopping, asyncio.CancelledError):
             pass
         except Exception:  # a fault: the lease runs out and a process takes the batch up again
             log.exception("batch %s stopped by an error; it is taken up again later", job.id)
@@ -226,7 +227,7 @@ class BatchRunner:
         def scan() -> list[dict[str, Any]]:
             errors: list[dict[str, Any]] = []
             found = 0
-            for n, raw in _lines(self.store.path(source)):
+            for n, raw in files_fs.request_lines(self.store.path(source)):
                 url = orjson.loads(raw).get("url")
                 if url != job.endpoint:
                     found += 1
@@ -455,7 +456,8 @@ class BatchRunner:
             output.temporary.replace(folder / output.name)
             rows.append(StoredFile(id=output.id, key_id=job.key_id, filename=f"batch_{job.id}_{kind}.jsonl",
                                    purpose="batch_output", bytes=output.bytes, lines=output.lines,
-                                   path=output.name, created_at=now, expires_at=None))
+                                   path=output.name, created_at=now,
+                                   expires_at=now + job.output_expires_s if job.output_expires_s else None))
         values: dict[str, Any] = {"status": state, f"{state}_at": now, "completed": completed,
                                   "failed": failed + expired,
                                   "output_file_id": files["output"].id if files["output"].lines else None,
@@ -469,8 +471,8 @@ class BatchRunner:
                     (folder / output.name).unlink(missing_ok=True)
         if not finished:
             raise Stopped()
-            log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": completed,
-                                                       "failed": failed + expired})
+        log.info("batch %s %s", job.id, state, extra={"batch_id": job.id, "completed": completed,
+                                                   "failed": failed + expired})
 
     async def _recorded(self, batch_id: str, rows: list[StoredFile]) -> bool:
         """Whether the files ``rows`` are the batch's now (its final state was committed although the call that
@@ -488,7 +490,7 @@ class BatchRunner:
         results = self.store.results(job.id)
         upcoming = await anext(results, None)
         expired = 0
-        for n, raw in _lines(self.store.path(expired_from)) if expired_from is not None else ():
+        for n, raw in files_fs.request_lines(self.store.path(expired_from)) if expired_from is not None else ():
             while upcoming is not None and upcoming.line < n:
                 files[_kind(upcoming.ok)].write(upcoming.body)
                 upcoming = await anext(results, None)
@@ -525,7 +527,7 @@ class _Output:
         self.id = ident
         self.temporary = temporary
         self.name = name  # its name in the files folder once written
-        self.handle: IO[bytes] | None = temporary.open("wb")
+        self.handle: IO[bytes] | None = files_fs.create(temporary)
         self.lines = self.bytes = 0
 
     def write(self, body: Any) -> None:
@@ -558,14 +560,6 @@ def _input_key(body: dict[str, Any]) -> bytes | None:
 
 def _kind(ok: bool) -> str:
     return "output" if ok else "error"
-
-
-def _lines(path: Path) -> Any:
-    """(index, line) of each request line of a file (blank lines skipped; indices count every line)."""
-    with path.open("rb") as file:
-        for n, raw in enumerate(file):
-            if raw.strip():
-                yield n, raw
 
 
 def _retry_after(status: int, headers: dict[str, str]) -> float | None:

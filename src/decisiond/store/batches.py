@@ -131,9 +131,11 @@ class BatchStore:
         await self.db.write(run)
         return await self.batch(batch_id)
 
-    async def claim(self, runner: str, now: float, lease_s: float, skip: set[str]) -> BatchJob | None:
-        """The oldest active batch no live process holds, now held by ``runner`` until ``now + lease_s``; None when
-        there is none. Atomic: of two processes that claim one batch, one gets it."""
+    async def claim(self, runner: str, now: float, lease_s: float,
+                    skip: set[str]) -> tuple[BatchJob, str | None] | None:
+        """The oldest active batch no live process holds, now held by ``runner`` until ``now + lease_s``, with the
+        holder it was taken from (None: no one's); None when there is none. Atomic: of two processes that claim one
+        batch, one gets it."""
         async with self.db.session() as session:
             rows = (await session.execute(select(BatchJob.id, BatchJob.runner, BatchJob.lease_until).where(
                 BatchJob.status.in_(ACTIVE)).order_by(BatchJob.created_at, BatchJob.id).limit(100))).all()
@@ -149,7 +151,8 @@ class BatchStore:
                     runner=runner, lease_until=now + lease_s)).rowcount
 
             if await self.db.write(take) == 1:
-                return await self.batch(batch_id)
+                job = await self.batch(batch_id)
+                return (job, holder) if job is not None else None
         return None
 
     async def renew(self, batch_ids: list[str], runner: str, until: float) -> tuple[dict[str, str], set[str]]:
@@ -266,7 +269,7 @@ class BatchStore:
             if held is None:
                 return False
             for row in files:
-                connection.execute(insert(StoredFile), [_columns(row)])
+                connection.execute(insert(StoredFile), [file_columns(row)])
             connection.execute(delete(BatchResult).where(BatchResult.batch_id == batch_id))
             return True
 
@@ -288,7 +291,8 @@ def put_results(connection: Connection, batch_id: str, lines: list[tuple[int, bo
     connection.execute(statement, values)
 
 
-def _columns(row: StoredFile) -> dict[str, Any]:
+def file_columns(row: StoredFile) -> dict[str, Any]:
+    """A file's row as the values of an insert."""
     return {c.name: getattr(row, c.key) for c in StoredFile.__table__.columns}
 
 

@@ -173,6 +173,9 @@ class BatchJob(Base):
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     next_line: Mapped[int] = mapped_column(Integer, default=0)
+    # ``output_expires_after.seconds``: the output and error files expire this long after they are written (None:
+    # they are kept until deleted).
+    output_expires_s: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[int] = mapped_column(BigInteger)

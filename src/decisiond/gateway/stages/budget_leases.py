@@ -46,7 +46,7 @@ from typing import Any
 
 from ...errors import DecisionError, one_line
 from ...limits import LEASE_CHUNK_REQUESTS, LEASE_IDLE_S, LEASE_PURGE_S
-from ...store.processes import holder_gone, holder_name
+from ...store.processes import holder_gone, runner_name
 from ..types import Charge
 from .budget_ledger import BudgetGone, BudgetView, Ledger, Local, NoRoom, budget_exceeded
 
@@ -121,7 +121,7 @@ class LeaseBook:
         self.clock = clock  # monotonic seconds: idleness, and how long a hold may be used after its renewal
         self.store = store
         self.chunk_requests = chunk_requests
-        self.holder = holder or holder_name()
+        self.holder = holder or runner_name()
         self.renew_s = ledger.ttl_s / 3
         self.valid_s = ledger.ttl_s * VALID_SHARE
         self.leases: dict[tuple[str, int], Lease] = {}
