@@ -142,13 +142,17 @@ class MemoryLedger:
         with self.lock:
             return {ident: self.holds[ident].amount for ident in holds if ident in self.holds}
 
-    async def release_dead(self, gone: Callable[[str], bool]) -> int:
+    async def holders(self, machine: str) -> list[str]:
+        with self.lock:
+            return sorted({h.holder for h in self.holds.values() if h.holder.startswith(machine + ":")})
+
+    async def release(self, holders: Sequence[str]) -> int:
         def apply() -> int:
             with self.lock:
-                dead = [ident for ident, h in self.holds.items() if gone(h.holder)]
+                dead = [ident for ident, h in self.holds.items() if h.holder in holders]
                 return sum(self._release(ident) for ident in dead)
 
-        return await self.faults.run("release_dead", apply)
+        return await self.faults.run("release", apply)
 
     async def purge(self, current: dict[str, int]) -> None:
         return None

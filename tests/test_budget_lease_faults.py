@@ -544,17 +544,31 @@ def test_a_growth_under_way_when_the_limit_is_lowered_is_taken_back(env):
     run(env, body)
 
 
-def test_holds_of_a_process_that_died_on_this_host_come_back_at_once(env):
+def test_holds_of_a_process_that_died_on_this_host_come_back_at_once_after_its_journal(env):
+    """A process of this host dies holding room, one request in flight and five settled whose usage records are
+    still in its journal: the next process that runs out of room writes that journal first (their charges settle on
+    the dead hold), then releases the hold: it gets every bit of room left, and no room the dead one spent."""
     async def body() -> None:
         view = await env.open(40 * W)
         dead = subprocess.Popen(["true"])
         dead.wait()
         a = env.book("a", holder=f"{machine()}:{dead.pid}:0dead0")
-        a.admit_now([view], W) or await a.admit([view], W)  # then it dies, its room leased
+        journal = env.writer(a)
+        for _ in range(5):
+            journal.add(a.settle(await a.admit([view], W), W))
+        await a.admit([view], W)  # in flight when it died: never answered, never charged
         b = env.book("b")
+        replayed = []
+
+        async def replay(pid: int) -> None:
+            replayed.append(pid)
+            await journal.flush()
+
+        b.replay = replay
         wb = env.writer(b)
-        assert await spend_all(b, view, wb, cost=W) == 40  # all the room: the dead one's came back at once
+        assert await spend_all(b, view, wb, cost=W) == 35  # all the room left: the dead one's came back at once
         await wb.flush()
+        assert replayed == [dead.pid] and await env.window(view) == (40 * W, 0)
         await env.consistent()
 
     run(env, body)

@@ -156,10 +156,11 @@ class Gateway:
                 await self.budgets.put(budget, "config")
             self.leases = LeaseBook(SqlLedger(self.db, self.config.budget_reservation_ttl_s), self.budgets)
             await self.budgets.budgets()  # known from the start: a database that goes down later keeps this list
-            self.leases.start()
             self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal, settling=self.leases.settling,
                                      on_written=self.leases.written, on_dropped=self.leases.dropped)
+            self.leases.replay = self.usage.replay_orphans
             self.usage.start()
+            self.leases.start()
             if self.stored_models:
                 self._purger = asyncio.create_task(self._purge_decisions(), name="decisions-purge")
             self.profiles = ProfileStore(self.db)

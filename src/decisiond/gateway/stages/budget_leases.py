@@ -46,7 +46,7 @@ from typing import Any
 
 from ...errors import DecisionError, one_line
 from ...limits import LEASE_CHUNK_REQUESTS, LEASE_IDLE_S, LEASE_PURGE_S
-from ...store.processes import holder_gone, runner_name
+from ...store.processes import dead_pid, machine, runner_name
 from ..types import Charge
 from .budget_ledger import BudgetGone, BudgetView, Ledger, Local, NoRoom, budget_exceeded
 
@@ -122,6 +122,8 @@ class LeaseBook:
         self.store = store
         self.chunk_requests = chunk_requests
         self.holder = holder or runner_name()
+        # Writes the usage journal of a process of this host that died (``UsageWriter.replay_orphans``).
+        self.replay: Callable[[int], Awaitable[None]] | None = None
         self.renew_s = ledger.ttl_s / 3
         self.valid_s = ledger.ttl_s * VALID_SHARE
         self.leases: dict[tuple[str, int], Lease] = {}
@@ -443,11 +445,17 @@ class LeaseBook:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _release_dead(self, force: bool = False) -> int:
-        """Release the holds of processes that died on this host (at most once a second unless ``force``)."""
+        """Release the holds of processes that died on this host (at most once a second unless ``force``), once
+        their usage journals are written (``replay``): their charges settle on their holds first, so that no room
+        they had spent goes back."""
         if not force and self.clock() - self._looked_for_dead < 1.0:
             return 0
         self._looked_for_dead = self.clock()
-        return await self.ledger.release_dead(holder_gone)
+        dead = {h: pid for h in await self.ledger.holders(machine()) if (pid := dead_pid(h)) is not None}
+        if self.replay is not None:
+            for pid in sorted(set(dead.values())):
+                await self.replay(pid)
+        return await self.ledger.release(sorted(dead))
 
     # -------------------------------------------------------------------------------------------- background
 

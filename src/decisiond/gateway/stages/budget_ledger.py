@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -189,8 +189,12 @@ class Ledger(Protocol):
         lock: a transaction on that window still under way (a commit whose reply was lost) has finished first."""
         ...
 
-    async def release_dead(self, gone: Callable[[str], bool]) -> int:
-        """Release the holds whose holder ``gone(holder)`` says has died; how much room came back."""
+    async def holders(self, machine: str) -> list[str]:
+        """The holders of ``machine`` (``store.processes``) that hold something."""
+        ...
+
+    async def release(self, holders: Sequence[str]) -> int:
+        """Release every hold of ``holders`` (processes known to have died); how much room came back."""
         ...
 
     async def purge(self, current: dict[str, int]) -> None:

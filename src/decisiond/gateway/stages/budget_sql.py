@@ -15,7 +15,7 @@ each request's worst case leaves its hold and the window's ``reserved``, its rea
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import delete, insert, literal_column, select, update
@@ -24,7 +24,6 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from ...store.db import Database
-from ...store.processes import machine
 from ...store.tables import Budget, BudgetReservation, BudgetWindow
 from ..types import Charge
 from .budget_ledger import BudgetGone, BudgetView, Grant, NoRoom
@@ -127,12 +126,15 @@ class SqlLedger:
 
         return await self.db.write(run) if holds else {}
 
-    async def release_dead(self, gone: Callable[[str], bool]) -> int:
+    async def holders(self, machine: str) -> list[str]:
         r = BudgetReservation
         async with self.db.session() as session:
-            holders = (await session.scalars(select(r.holder).distinct().where(
-                r.holder.startswith(machine() + ":", autoescape=True)))).all()
-        dead = sorted(h for h in holders if h is not None and gone(h))
+            found = (await session.scalars(select(r.holder).distinct().where(
+                r.holder.startswith(machine + ":", autoescape=True)))).all()
+        return sorted(h for h in found if h is not None)
+
+    async def release(self, holders: Sequence[str]) -> int:
+        r, dead = BudgetReservation, sorted(holders)
         if not dead:
             return 0
 
