@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import pytest
+from sqlalchemy import select, update
 
 from decisiond.errors import BudgetExceeded
 from decisiond.gateway.settings import BudgetConfig
@@ -16,6 +17,7 @@ from decisiond.gateway.stages.budget_leases import LeaseBook
 from decisiond.gateway.stages.budget_sql import SqlLedger, apply_charges
 from decisiond.gateway.stages.budget_store import BudgetStore
 from decisiond.store.db import Database
+from decisiond.store.tables import BudgetReservation, BudgetWindow
 
 NANO = 1_000_000_000
 
@@ -121,5 +123,82 @@ def test_a_lease_grows_ahead_of_need(tmp_path):
         await lease.growing
         assert replica.grows == 2 and lease.room == 191 * worst + 512 * worst
         await db.aclose()
+
+    asyncio.run(main())
+
+
+def test_past_windows_and_the_windows_of_deleted_budgets_are_purged(database):
+    """Windows whose period has passed (their holds expired) and the windows of budgets that are gone are deleted;
+    the current window stays, and so does a past window whose hold a live process still renews."""
+    async def main() -> None:
+        db = await Database.open(database)
+        store, ledger = BudgetStore(db), SqlLedger(db, 15)
+        live = await store.put(BudgetConfig(key=f"purge-{random.random()}", limit_usd=10, period_seconds=60), "admin")
+        gone = await store.put(BudgetConfig(key=f"purged-{random.random()}", limit_usd=10, period_seconds=60), "admin")
+        now = live.window()[0]
+        for view, start in ((live, now - 120), (live, now - 60), (live, now), (gone, now)):
+            await ledger.grow(view, start, None, f"h{random.getrandbits(40):x}", NANO, NANO, NANO, "elsewhere:1:x")
+        async with db.session() as session, session.begin():  # the oldest window's hold stopped being renewed
+            await session.execute(update(BudgetReservation).where(BudgetReservation.window_start == now - 120)
+                                  .values(created_ms=BudgetReservation.created_ms - 16_000))
+        await store.delete(gone.id)
+        await apply_late_charge(db, gone.id, now)  # a request of the deleted budget settles after it went
+        await ledger.purge({live.id: now})
+        async with db.session() as session:
+            windows = set((await session.execute(select(BudgetWindow.budget_id, BudgetWindow.window_start)
+                                                 .where(BudgetWindow.budget_id.in_([live.id, gone.id])))).all())
+            holds = (await session.execute(select(BudgetReservation.window_start)
+                                           .where(BudgetReservation.budget_id == live.id))).scalars().all()
+        assert windows == {(live.id, now - 60), (live.id, now)} and sorted(holds) == [now - 60, now]
+        await db.aclose()
+
+    asyncio.run(main())
+
+
+async def apply_late_charge(db: Database, budget: str, start: int) -> None:
+    from decisiond.gateway.types import Charge
+
+    await db.write(lambda connection: apply_charges(connection, [Charge(budget, start, None, 0, NANO)]))
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    from services import start_postgres
+
+    server = start_postgres()
+    yield server
+    server.remove()
+
+
+def test_a_renewal_takes_the_window_before_its_holds(postgres):
+    """The documented lock order, windows before holds: a transaction that holds a window and one of its holds (as a
+    growth releasing expired holds does) can still take the others while a renewal of those holds waits — with holds
+    taken first, the two would wait for each other until PostgreSQL broke the deadlock."""
+    async def main() -> None:
+        import asyncpg
+
+        db = await Database.open(postgres.url)
+        store, ledger = BudgetStore(db), SqlLedger(db, 15)
+        view = await store.put(BudgetConfig(key=f"order-{random.random()}", limit_usd=10, period="daily"), "admin")
+        start = view.window()[0]
+        first = await ledger.grow(view, start, None, "hold-a", NANO, NANO, NANO, "x:1:a")
+        second = await ledger.grow(view, start, None, "hold-b", NANO, NANO, NANO, "x:2:b")
+        other = await asyncpg.connect(postgres.url)
+        try:
+            transaction = other.transaction()
+            await transaction.start()
+            await other.execute("SET lock_timeout = '3s'")
+            await other.execute("SELECT 1 FROM budget_windows WHERE budget_id = $1 AND window_start = $2 FOR UPDATE",
+                                view.id, start)
+            await other.execute("SELECT 1 FROM budget_reservations WHERE id = $1 FOR UPDATE", second.hold)
+            renewing = asyncio.ensure_future(ledger.renew([(first.hold, view.id, start), (second.hold, view.id, start)]))
+            await asyncio.sleep(0.3)
+            assert not renewing.done()  # waiting: for the window, holding no hold
+            await other.execute("SELECT 1 FROM budget_reservations WHERE id = $1 FOR UPDATE", first.hold)
+            await transaction.commit()
+            assert await renewing == {first.hold, second.hold}
+        finally:
+            await other.close()
+            await db.aclose()
 
     asyncio.run(main())
