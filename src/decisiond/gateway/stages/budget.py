@@ -43,8 +43,8 @@ from .. import pricing
 from ..catalog import Catalog
 from ..sizes import max_input_tokens, max_output_tokens
 from ..types import Context, Next
-from .budget_leases import Hold, LeaseBook, Reservation
-from .budget_ledger import to_nano
+from .budget_leases import LeaseBook
+from .budget_ledger import Hold, Reservation, to_nano
 from .budget_store import BudgetStore
 
 log = logging.getLogger("decisiond.budgets")

@@ -14,10 +14,9 @@
 cases its requests carved and the charges not yet written) adds up to the hold's amount in the ledger. Where that may
 no longer be so, the lease admits nothing until the ledger has been asked again:
 
-- a call whose outcome is unknown (``grow``, ``give_back``, a usage write that found its records already there: an
-  acknowledgement lost after the commit, a cancellation mid-commit) makes the lease *doubtful*: the hold is read back
-  and the room set from it (``room = hold − carved − unwritten``), under the usage writer's ``settling`` lock, so that
-  no write lands between the read and the sum;
+- a call whose outcome is unknown (``grow``, ``give_back``, a usage write that found its records there already: a
+  reply to COMMIT lost, a cancellation mid-commit) makes the lease *doubtful*: its hold is read back and the room set
+  from it (``hold − carved − unwritten``), under the usage writer's ``settling`` lock (no write lands in between);
 - a hold found gone (``renew``, ``grow``: released by another replica for its age, or with its budget) leaves the
   lease no room, and a growth into a new hold starts from what that growth granted alone;
 - room is used only while the hold cannot have expired: until two thirds of the ledger's time to live after the
@@ -27,9 +26,9 @@ no longer be so, the lease admits nothing until the ledger has been asked again:
   as it reads the list (``BudgetStore.listen``; within ``BUDGET_CACHE_S``), and a growth that was under way then is
   given back too; a growth is always judged against the limit the ledger has.
 
-Holds of processes that died on this host are released at start, every renewal and before a request is refused for
-lack of room (``Ledger.release_dead``); elsewhere they expire after the time to live. Leases unused for
-``LEASE_IDLE_S`` give their room back; at shutdown every lease does.
+Holds of processes that died on this host are released (after their usage journals are written: ``replay``) at
+start, every renewal and before a request is refused for lack of room; elsewhere they expire after the time to live.
+Leases unused for ``LEASE_IDLE_S`` give their room back, and every lease at shutdown.
 """
 
 from __future__ import annotations
@@ -48,37 +47,19 @@ from ...errors import DecisionError, one_line
 from ...limits import LEASE_CHUNK_REQUESTS, LEASE_IDLE_S, LEASE_PURGE_S
 from ...store.processes import dead_pid, machine, runner_name
 from ..types import Charge
-from .budget_ledger import BudgetGone, BudgetView, Ledger, Local, NoRoom, budget_exceeded
+from .budget_ledger import BudgetGone, BudgetView, Hold, Ledger, Local, NoRoom, Reservation, budget_exceeded
+from .budget_unwritten import Unwritten
 
 log = logging.getLogger("decisiond.budgets")
 
 MAX_CHUNK_REQUESTS = 1 << 16
-# How often one request reads a lease back or renews it before it gives up (503).
-READY_TRIES = 8
+READY_TRIES = 8  # read-backs or renewals of a lease one request waits for before it gives up (503)
 # A lease may be used for this share of the ledger's time to live after its last renewal was sent.
 VALID_SHARE = 2 / 3
 
 
 class LeaseUnsettled(Exception):
     """A lease that kept changing under a request (read back, lost, recalled) more often than ``READY_TRIES``."""
-
-
-@dataclass(frozen=True)
-class Hold:
-    """What one request holds of one budget window: ``amount`` nano-USD of the lease's hold ``lease`` (None:
-    admitted unchecked while the database was down, holding nothing)."""
-
-    lease: str | None
-    budget_id: str
-    window_start: int
-    amount: int
-
-
-@dataclass
-class Reservation:
-    """What one request holds on its budgets, one hold per budget window."""
-
-    holds: list[Hold] = field(default_factory=list)
 
 
 @dataclass
@@ -128,11 +109,9 @@ class LeaseBook:
         self.valid_s = ledger.ttl_s * VALID_SHARE
         self.leases: dict[tuple[str, int], Lease] = {}
         self.settling = asyncio.Lock()
-        # Charges of this process's requests not yet written by the usage writer, and their sums by window and hold;
-        # the worst cases carved out of each hold by requests in flight.
-        self._unwritten: Counter[Charge] = Counter()
-        self._pending: dict[tuple[str, int], tuple[int, int]] = {}
-        self._pending_held: Counter[str] = Counter()
+        # Charges of this process's requests not yet written by the usage writer; the worst cases carved out of
+        # each hold by requests in flight.
+        self._unwritten = Unwritten()
         self._carved: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
@@ -228,11 +207,7 @@ class LeaseBook:
             if h.lease is not None and not self._uncarve(h, h.amount - held):
                 held = h.amount  # its lease let go of that hold: the whole worst case goes back to the window
             charges.append(Charge(h.budget_id, h.window_start, h.lease, held, actual))
-        for c in charges:
-            self._unwritten[c] += 1
-            self._pending[(c.budget_id, c.window_start)] = _plus(self._pending.get((c.budget_id, c.window_start)), c)
-            if c.hold_id is not None:
-                self._pending_held[c.hold_id] += c.held
+        self._unwritten.add(charges)
         return charges
 
     # ------------------------------------------------------------------------------------ what the writer says
@@ -241,7 +216,7 @@ class LeaseBook:
         """The usage writer found the records of ``charges`` in the ledger already: written by an earlier try whose
         acknowledgement was lost (applied), or a request answered again (not applied). Only the ledger knows which:
         their leases read their holds back before they admit again."""
-        for c in self._forget(charges):
+        for c in self._unwritten.forget(charges):
             lease = self.leases.get((c.budget_id, c.window_start))
             if lease is not None and c.hold_id is not None and lease.id == c.hold_id:
                 self._doubt(lease)
@@ -249,44 +224,22 @@ class LeaseBook:
     def written(self, charges: list[Charge]) -> None:
         """The usage writer has applied ``charges`` to the ledger (those of other processes' journals are not ours,
         and change nothing here)."""
-        self._forget(charges)
-
-    def _forget(self, charges: list[Charge]) -> list[Charge]:
-        """``charges`` no longer pending (those of this process: returned)."""
-        ours = []
-        for c in charges:
-            if self._unwritten[c] <= 0:
-                continue
-            ours.append(c)
-            self._unwritten[c] -= 1
-            if not self._unwritten[c]:
-                del self._unwritten[c]
-            key = (c.budget_id, c.window_start)
-            left = _plus(self._pending.get(key), c, -1)
-            if left == (0, 0):
-                self._pending.pop(key, None)
-            else:
-                self._pending[key] = left
-            if c.hold_id is not None:
-                self._pending_held[c.hold_id] -= c.held
-                if self._pending_held[c.hold_id] <= 0:
-                    del self._pending_held[c.hold_id]
-        return ours
+        self._unwritten.forget(charges)
 
     def believed(self, hold: str) -> int:
         """What this process's accounts say ``hold`` has in the ledger: its lease's room, the worst cases requests
         in flight carved out of it, and its charges not written yet (while no call on it is under way)."""
         room = sum(lease.room for lease in self.leases.values() if lease.id == hold)
-        return room + self._carved.get(hold, 0) + self._pending_held.get(hold, 0)
+        return room + self._carved.get(hold, 0) + self._unwritten.held(hold)
 
     def local(self, budget: str, start: int) -> Local:
         """What this process knows of a window that the ledger does not have yet (``budget_ledger.Local``)."""
         lease = self.leases.get((budget, start))
-        spent, held = self._pending.get((budget, start), (0, 0))
+        spent, held = self._unwritten.window(budget, start)
         room = lease.room if lease is not None and not lease.doubtful else 0
         explained = {}
         if lease is not None and lease.id is not None:
-            explained[lease.id] = room + self._pending_held.get(lease.id, 0)
+            explained[lease.id] = room + self._unwritten.held(lease.id)
         return Local(spent, held + room, explained)
 
     async def spend(self, budgets: list[BudgetView]) -> list[dict[str, Any]]:
@@ -361,7 +314,7 @@ class LeaseBook:
             if hold is None:
                 lease.drop()
             else:
-                room = amounts[hold] - self._carved.get(hold, 0) - self._pending_held.get(hold, 0)
+                room = amounts[hold] - self._carved.get(hold, 0) - self._unwritten.held(hold)
                 if room < 0:
                     log.warning("budget hold holds less than this process's requests in flight",
                                 extra={"budget": lease.budget.id, "nanousd": -room})
@@ -432,17 +385,18 @@ class LeaseBook:
 
     async def _grant(self, lease: Lease, need: int, chunk: int, amount: int, new: str) -> Any:
         """``Ledger.grow``; where there is no room, once more after releasing the holds of dead processes here."""
-        for last in (False, True):
+        released = False
+        while True:
             try:
                 return await self.ledger.grow(lease.budget, lease.start, lease.id, new, need, chunk, amount,
                                               self.holder)
             except NoRoom as full:
-                if last or not await self._release_dead():
+                if released or not await self._release_dead():
                     b, now = lease.budget, time.time()
                     known = self.local(b.id, lease.start)
                     raise budget_exceeded(b, full.spent + known.spent, max(0, full.reserved - known.free), amount,
                                           int(b.window(now)[1] - now)) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+                released = True
 
     async def _release_dead(self, force: bool = False) -> int:
         """Release the holds of processes that died on this host (at most once a second unless ``force``), once
@@ -546,7 +500,3 @@ class LeaseBook:
                             extra={"error": one_line(error)})
         self.leases.clear()  # a request that ends later gives its whole worst case back to the window
 
-
-def _plus(sums: tuple[int, int] | None, charge: Charge, sign: int = 1) -> tuple[int, int]:
-    spent, held = sums or (0, 0)
-    return spent + sign * charge.actual, held + sign * charge.held

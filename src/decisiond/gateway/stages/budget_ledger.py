@@ -134,6 +134,24 @@ class Local:
     explained: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Hold:
+    """What one request holds of one budget window: ``amount`` nano-USD of the lease's hold ``lease`` (None:
+    admitted unchecked while the database was down, holding nothing)."""
+
+    lease: str | None
+    budget_id: str
+    window_start: int
+    amount: int
+
+
+@dataclass
+class Reservation:
+    """What one request holds on its budgets, one hold per budget window."""
+
+    holds: list[Hold] = field(default_factory=list)
+
+
 class NoRoom(Exception):
     """A window without the room asked for, as the ledger has it: its ``spent``, ``reserved`` and ``limit``. Nothing
     was changed."""
