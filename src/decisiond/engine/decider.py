@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..canonical import Answer, DecisionRequest, Image, Item, Message, Question
@@ -48,6 +48,17 @@ class Prompter(Protocol):
                source: tuple[str | int, ...] = ()) -> EncodedPrompt: ...
 
     def one_token_labels(self, content: str, n: int, kwargs: dict[str, Any], question: Question) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """One prompt to score, with the question and rendering it belongs to; ``prior``: a content-free prompt of
+    contextual calibration (its input replaced)."""
+
+    prompt: EncodedPrompt
+    question: PreparedQuestion
+    variant: Variant
+    prior: bool
 
 
 class Decider:
@@ -144,16 +155,18 @@ class Decider:
     # ------------------------------------------------------------------------------------- evidence
 
     @staticmethod
-    def prompts(prepared: Prepared) -> tuple[list[EncodedPrompt], list[str]]:
+    def prompts(prepared: Prepared) -> tuple[list[Scoring], list[str]]:
         """What to score for ``prepared``: every variant's prompt in order, then the content-free prompts whose
         priors are not cached yet; and the cache keys of the latter."""
-        prompts: list[EncodedPrompt] = []
-        pending: dict[str, EncodedPrompt] = {}
+        scorings: list[Scoring] = []
+        pending: dict[str, Scoring] = {}
         for q in prepared.questions:
             for v in q.variants:
-                prompts.append(v.prompt)
-                pending.update((k, p) for k, p in v.priors.items() if isinstance(p, EncodedPrompt))
-        return prompts + list(pending.values()), list(pending)
+                scorings.append(Scoring(v.prompt, q, v, False))
+                for key, p in v.priors.items():
+                    if isinstance(p, EncodedPrompt) and key not in pending:
+                        pending[key] = Scoring(p, q, v, True)
+        return scorings + list(pending.values()), list(pending)
 
     def evidence_of(self, prepared: Prepared, pending: list[str],
                     logprobs: Sequence[list[float]]) -> list[list[VariantEvidence]]:

@@ -74,8 +74,8 @@ class LocalEngine(Decider):
 
     def _submit(self, prepared: Prepared) -> tuple[Ticket, list[str]]:
         """One job: every variant's prompt, then the content-free prompts whose priors are not cached yet."""
-        prompts, pending = self.prompts(prepared)
-        return self.scheduler.submit([p.ids for p in prompts], [p.label_ids for p in prompts]), pending
+        scorings, pending = self.prompts(prepared)
+        return self.scheduler.submit([s.prompt.ids for s in scorings], [s.prompt.label_ids for s in scorings]), pending
 
     def _prepare_and_submit(self, request: DecisionRequest, order: str | None = None,
                             calibrate: str | None = None) -> tuple[Prepared, Ticket, list[str]]:
