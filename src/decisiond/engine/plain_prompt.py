@@ -25,7 +25,7 @@ class PlainPrompter:
 
     def encode(self, content: str, labels: Sequence[str], kwargs: dict[str, Any],
                source: tuple[str | int, ...] = ()) -> EncodedPrompt:
-        return EncodedPrompt(content, [], [])
+        return EncodedPrompt(content, [], [], content)
 
     def one_token_labels(self, content: str, n: int, kwargs: dict[str, Any], question: Question) -> list[str]:
         """Two-letter labels need the tokenizer (which of them is one token): without it, 26 options at most."""

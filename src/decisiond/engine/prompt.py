@@ -138,9 +138,10 @@ def check_renderable(question: Question) -> None:
 
 @dataclass
 class EncodedPrompt:
-    text: str
+    text: str  # the rendered prompt (the chat template applied)
     ids: list[int]
     label_ids: list[int]
+    content: str = ""  # the user message it renders (what a chat server is sent)
 
 
 def check_template_kwargs(request_kwargs: dict[str, Any], source: tuple[str | int, ...],
@@ -338,7 +339,7 @@ class ChatPrompter:
                 *source,
                 code="context_length_exceeded",
             )
-        return EncodedPrompt(prompt, ids, self.label_ids(prompt, ids, labels, source))
+        return EncodedPrompt(prompt, ids, self.label_ids(prompt, ids, labels, source), content)
 
     def _label_context(self, prompt: str, ids: list[int]) -> tuple[str, list[int]]:
         """Text and ids after which labels are checked.

@@ -202,7 +202,7 @@ class LogprobsProvider(HttpProvider):
         k = self.options.top_logprobs
         shown = [] if scoring.prior else images
         if self.chat:
-            body = wire.chat_body(upstream, scoring.prompt.text, shown, k, restrict, kwargs)
+            body = wire.chat_body(upstream, scoring.prompt.content, shown, k, restrict, kwargs)
         else:
             prompt = scoring.prompt.ids if self.options.prompt == "ids" else scoring.prompt.text
             body = wire.completion_body(upstream, prompt, k, restrict)
