@@ -33,3 +33,11 @@ def start_postgres() -> Postgres:
     except services.Unavailable as error:
         unavailable(str(error))
         raise
+
+
+def start_llamacpp(gguf, threads: int = 2):
+    try:
+        return services.start_llamacpp(gguf, threads)
+    except services.Unavailable as error:
+        unavailable(str(error))
+        raise

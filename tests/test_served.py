@@ -208,13 +208,18 @@ def test_a_label_past_the_top_k_is_read_from_a_restricted_second_read(gateway, s
 
 
 def test_a_label_the_server_cannot_score_is_a_502_naming_the_option(gateway, sims):
+    before = len(sims["vllm_raw"].seen)
     r = decide(gateway, "vllm_raw/x", [EIGHT])  # raw logprobs: the restriction does not bring labels in
     assert r.status_code == 502, r.text
     error = r.json()["error"]
     assert error["code"] == "upstream_label_unscored" and "could not score option" in error["message"]
-    assert "not among the server's top log-probabilities" in error["message"]
+    assert "refused the read of the top 1000: Requested sample logprobs of 1000" in error["message"]
     assert error["param"].startswith("questions[0].choices[")
-    assert "allowed_token_ids" in sims["vllm_raw"].seen[-1]["body"]
+    sent = [s["body"] for s in sims["vllm_raw"].seen[before:]]
+    assert [b["logprobs"] for b in sent] == [8, 8, 1000] and "allowed_token_ids" in sent[1]
+    again = len(sims["vllm_raw"].seen)
+    assert decide(gateway, "vllm_raw/x", [EIGHT], text="Another ticket").status_code == 502
+    assert ["allowed_token_ids" in s["body"] for s in sims["vllm_raw"].seen[again:]] == [False, False]
 
 
 def test_every_failure_fails_over_and_is_never_an_answer(oa, gateway, sims):

@@ -27,6 +27,11 @@ class LogprobsOptions(BaseModel):
     """When a label is not among the top log-probabilities, a second read of the same prompt restricted to the labels:
     ``logit_bias`` (+100 on each label token: OpenAI, llama.cpp, SGLang, vLLM), vLLM's ``allowed_token_ids``, or
     ``none`` (servers that take neither, as Ollama). It needs the labels' token ids, so a ``tokenizer``."""
+    widen_to: int = Field(default=1000, ge=0, le=200_000)
+    """Where a label is still missing (a server that reads its log-probabilities before it restricts the answer:
+    llama.cpp's servers, vLLM's default ``raw_logprobs``), one more plain read of this many top log-probabilities:
+    llama-cpp-python takes any number, vLLM at most its ``--max-logprobs`` (a larger number is the server's 400,
+    named in the error). 0: no such read."""
     concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=256)
     """Requests to the server in flight at once for one decision (its questions, option orders and calibration
     inputs go out concurrently, at most this many at a time)."""

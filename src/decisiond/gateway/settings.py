@@ -241,7 +241,8 @@ class ProviderConfig(BaseModel):
     """local: a profile from `decisiond calibrate`."""
     timeout: float = Field(default=4.0, gt=0)
     """Seconds one attempt may take (connect included); short enough by default that a hanging first target leaves a
-    failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
+    failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s). Unset for a logprobs
+    provider: 9 (a decision is several requests to the server).
     """
     connect_timeout: float = Field(default=2.0, gt=0)
     """Seconds to connect, within ``timeout``."""

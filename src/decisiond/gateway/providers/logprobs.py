@@ -35,6 +35,7 @@ from ...engine.plain_prompt import PlainPrompter
 from ...engine.prefix_cache import Lru
 from ...engine.prompt import PROMPT_FORMAT_VERSION, ChatPrompter
 from ...errors import DecisionError, InvalidRequest, ProviderError, provider_error, refused
+from ...limits import SERVED_TIMEOUT_S
 from ..settings import Limits, ProviderConfig
 from .base import HttpProvider
 
@@ -60,6 +61,8 @@ class LogprobsProvider(HttpProvider):
 
     def __init__(self, config: ProviderConfig, tokenizer: Any = None, name: str = "",
                  context_length: int | None = None):
+        if "timeout" not in config.model_fields_set:
+            config = config.model_copy(update={"timeout": SERVED_TIMEOUT_S})
         super().__init__(config)
         self.tokenizer = tokenizer
         self.options = config.logprobs
@@ -67,6 +70,9 @@ class LogprobsProvider(HttpProvider):
         self.model_name = name or config.name
         self.context_length = context_length or UNBOUNDED_CONTEXT
         self._deciders: Lru[Decider] = Lru(UPSTREAM_ENTRIES)
+        # Learned from a reply: this server reads its log-probabilities before it restricts the answer (llama.cpp's,
+        # vLLM's default), so a restricted read brings no label in and is not sent again.
+        self._restriction_ignored = False
         self.decider("")  # the config's order and calibrate checked now, not at the first request
 
     @classmethod
@@ -176,30 +182,51 @@ class LogprobsProvider(HttpProvider):
 
     async def _read(self, scoring: Scoring, upstream: str, images: list[Image],
                     kwargs: dict[str, Any]) -> Read:
-        """One prompt's label log-probabilities: a plain read, then, where a label is not in it, a read restricted
-        to the labels."""
-        tokens = self._tokens(scoring)
-        first = await self._ask(scoring, upstream, images, kwargs, {})
-        found = served.read_labels(first.candidates, tokens)
+        """One prompt's label log-probabilities: a plain read of the top ``k``; where a label is not in it, a read
+        restricted to the labels (not where this server proved to report log-probabilities before its restriction),
+        then a plain read of the top ``widen_to``."""
+        tokens, k, wide = self._tokens(scoring), self.options.top_logprobs, self.options.widen_to
+
+        async def ask(restrict: dict[str, Any], count: int, what: str) -> tuple[list[float | None], Usage]:
+            reply = await self._ask(scoring, upstream, images, kwargs, restrict, count, found, what)
+            return served.read_labels(reply.candidates, tokens), reply.usage
+
+        found: list[float | None] = []
+        found, usage = await ask({}, k, "")
         if served.complete(found):
-            return Read([float(v) for v in found if v is not None], True, first.usage)
+            return Read([v for v in found if v is not None], True, usage)
+        fallback: tuple[list[float], bool] | None = None
         restrict = wire.restriction(self.options.restrict, scoring.prompt.label_ids)
+        if restrict and not self._restriction_ignored:
+            got, more = await ask(restrict, k, "restricted to the labels (" + ", ".join(restrict) + ")")
+            usage = _added(usage, more)
+            if not any(g is not None and f is None for f, g in zip(found, got)):
+                self._restriction_ignored = True  # its log-probabilities are read before it restricts the answer
+            else:
+                try:
+                    fallback = served.combine(found, got)
+                except served.Unscored as e:
+                    raise self._unscored(scoring, e.index, e.reason) from None
+                if fallback[1] or wide <= k:
+                    return Read(fallback[0], fallback[1], usage)
+        if wide > k:
+            widened, more = await ask({}, wide, f"of the top {wide}")
+            usage = _added(usage, more)
+            if served.complete(widened):
+                return Read([v for v in widened if v is not None], True, usage)
+            found = [w if w is not None else f for f, w in zip(found, widened)]
+        if fallback is not None:  # exact probabilities among the labels; their share of the mass unknown
+            return Read(fallback[0], False, usage)
         missing = next(i for i, v in enumerate(found) if v is None)
-        if not restrict:
-            why = "no tokenizer gives the labels' token ids" if not scoring.prompt.label_ids else "restrict: none"
-            raise self._unscored(scoring, missing, f"it is not among the server's top {self.options.top_logprobs} "
-                                                   f"log-probabilities, and the answer cannot be restricted to the "
-                                                   f"labels ({why})")
-        second = await self._ask(scoring, upstream, images, kwargs, restrict, missing)
-        try:
-            values, exact = served.combine(found, served.read_labels(second.candidates, tokens))
-        except served.Unscored as e:
-            raise self._unscored(scoring, e.index, e.reason) from None
-        return Read(values, exact, _added(first.usage, second.usage))
+        why = "no tokenizer gives the labels' token ids" if not scoring.prompt.label_ids else \
+            "restrict: none" if not restrict else "the server reports log-probabilities before it restricts the answer"
+        raise self._unscored(scoring, missing, f"it is not among the server's top {max(k, wide)} log-probabilities, "
+                                               f"and the answer cannot be restricted to the labels ({why})")
 
     async def _ask(self, scoring: Scoring, upstream: str, images: list[Image], kwargs: dict[str, Any],
-                   restrict: dict[str, Any], missing: int | None = None) -> wire.Reply:
-        k = self.options.top_logprobs
+                   restrict: dict[str, Any], k: int, found: list[float | None], what: str) -> wire.Reply:
+        """One request for ``scoring``'s answer position; ``what`` names a read beyond the plain one, which a server
+        that refuses it (a 4xx) fails for the first label ``found`` lacks."""
         shown = [] if scoring.prior else images
         if self.chat:
             body = wire.chat_body(upstream, scoring.prompt.content, shown, k, restrict, kwargs)
@@ -213,9 +240,10 @@ class LogprobsProvider(HttpProvider):
         except ProviderError as error:
             if error.failover or error.status in (401, 403, 404):
                 raise
-            if restrict and missing is not None:  # the server refuses the restriction (a model without logit_bias)
-                raise self._unscored(scoring, missing, f"the server refused the read restricted to the labels "
-                                                       f"({', '.join(restrict)}): {error.message}") from None
+            if what:  # a read the server refuses (a model without logit_bias, more log-probabilities than it gives)
+                missing = next(i for i, v in enumerate(found) if v is None)
+                raise self._unscored(scoring, missing, f"the server refused the read {what}: {error.message}") \
+                    from None
             if shown:
                 raise self._refused_images(shown, error) from None
             raise
