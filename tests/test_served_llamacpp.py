@@ -13,6 +13,8 @@ import pytest
 from servers import start_decisiond
 from services import start_llamacpp
 
+pytestmark = pytest.mark.model  # decisiond's in-process side runs the real SmolLM2 model
+
 # The interface of the issue's check, as a user writes it.
 CONFIG = """
 providers:

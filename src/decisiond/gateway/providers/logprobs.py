@@ -132,7 +132,7 @@ class LogprobsProvider(HttpProvider):
     async def input_tokens(self, request: DecisionRequest) -> int | None:
         if self.tokenizer is None:
             return None
-        prepared = await asyncio.to_thread(self.decider(request.model or "").prepare, request)
+        prepared = await asyncio.to_thread(self.decider("").prepare, request)
         return sum(len(v.prompt.ids) for q in prepared.questions for v in q.variants)
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
