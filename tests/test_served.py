@@ -323,3 +323,36 @@ def test_usage_and_cost_come_from_the_servers_usage(gateway, sims):
     sent = sims["sglang"].seen[before:]
     assert usage["input_tokens"] > 0 and usage["output_tokens"] == len(sent)
     assert float(r.headers["x-decisiond-cost"]) > 0
+
+
+# ------------------------------------------------------------------------------------------ learned profiles
+
+
+def test_served_answers_carry_no_hidden_state_so_profiles_learned_from_them_are_calibrations(sims, served_dir):
+    import asyncio
+
+    from decisiond.dialects.openai.parse import parse_request
+    from decisiond.engine.model import load_tokenizer
+    from decisiond.gateway import learning
+    from decisiond.gateway.providers.logprobs import LogprobsProvider
+    from decisiond.gateway.settings import ProviderConfig
+
+    loaded = load_tokenizer(served_dir)
+    provider = LogprobsProvider(ProviderConfig(name="vllm", type="logprobs", base_url=sims["vllm"].url + "/v1",
+                                               tokenizer=served_dir, logprobs={"prompt": "ids", "top_logprobs": 100}),
+                                loaded.tokenizer, loaded.name, loaded.context_length)
+
+    async def answers() -> list:
+        try:
+            return [(await provider.decide(parse_request({"model": "x", "input": f"Ticket {i}: refund please",
+                                                          "questions": QUESTIONS[:1]}), "x")).answers[0]
+                    for i in range(24)]
+        finally:
+            await provider.aclose()
+
+    got = asyncio.run(answers())
+    assert all(a.features is None and a.label_mass is not None for a in got)
+    samples = [learning.Sample(a.probabilities, a.features, [1.0, 0.0] if i % 3 else [0.0, 1.0], str(i))
+               for i, a in enumerate(got)]
+    outcome = learning.learn(samples, lambda s: list(s.base))
+    assert [c.kind for c in outcome.candidates] == ["calibration"]
