@@ -356,3 +356,38 @@ def test_served_answers_carry_no_hidden_state_so_profiles_learned_from_them_are_
                for i, a in enumerate(got)]
     outcome = learning.learn(samples, lambda s: list(s.base))
     assert [c.kind for c in outcome.candidates] == ["calibration"]
+
+
+def test_without_a_label_in_the_plain_read_the_probabilities_stay_exact_and_the_mass_is_not_made_up(sims, served_dir):
+    import asyncio
+
+    from decisiond.dialects.openai.parse import parse_request
+    from decisiond.engine.model import load_tokenizer
+    from decisiond.gateway.providers.logprobs import LogprobsProvider
+    from decisiond.gateway.settings import ProviderConfig
+
+    loaded = load_tokenizer(served_dir)
+
+    def provider(name: str, options: dict) -> LogprobsProvider:
+        return LogprobsProvider(ProviderConfig(name=name, type="logprobs", base_url=sims[name].url + "/v1",
+                                               tokenizer=served_dir, logprobs=options),
+                                loaded.tokenizer, loaded.name, loaded.context_length)
+
+    narrow, wide = provider("sglang", {"top_logprobs": 2}), provider("vllm", {"prompt": "ids", "top_logprobs": 100})
+    request = parse_request({"model": "x", "input": "I was charged twice.", "questions": QUESTIONS[:1]})
+    before = len(sims["sglang"].seen)
+
+    async def both():
+        try:
+            return (await narrow.decide(request, "x")).answers[0], (await wide.decide(request, "x")).answers[0]
+        finally:
+            await narrow.aclose()
+            await wide.aclose()
+
+    restricted, exact = asyncio.run(both())
+    sent = [s["body"] for s in sims["sglang"].seen[before:]]
+    # yes and no were not in the plain read's top 2; the restricted read has both (SGLang applies logit_bias first),
+    # and the wider plain read that could have given their mass is more than the server gives (its 400)
+    assert len(sent) == 3 and "logit_bias" in sent[1] and sent[2]["logprobs"] == 1000 and "logit_bias" not in sent[2]
+    assert restricted.probabilities == pytest.approx(exact.probabilities, abs=1e-6)
+    assert restricted.label_mass is None and exact.label_mass is not None

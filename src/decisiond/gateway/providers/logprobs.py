@@ -210,7 +210,12 @@ class LogprobsProvider(HttpProvider):
                 if fallback[1] or wide <= k:
                     return Read(fallback[0], fallback[1], usage)
         if wide > k:
-            widened, more = await ask({}, wide, f"of the top {wide}")
+            try:
+                widened, more = await ask({}, wide, f"of the top {wide}")
+            except ProviderError:
+                if fallback is None:
+                    raise
+                return Read(fallback[0], False, usage)  # the widened read was for the mass alone
             usage = _added(usage, more)
             if served.complete(widened):
                 return Read([v for v in widened if v is not None], True, usage)
