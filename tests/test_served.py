@@ -7,6 +7,7 @@ SDK and plain HTTP."""
 from __future__ import annotations
 
 import math
+import os
 import socket
 
 import httpx
@@ -14,7 +15,7 @@ import openai
 import pytest
 import torch
 from logprob_servers import REFUSED_IMAGES, LogprobServer
-from servers import start_decisiond
+from servers import run_decisiond, start_decisiond
 from test_gateway import png_data_url
 
 # Label tokens the test model prefers (a random model ranks them anywhere in 49,152 tokens): each one's embedding
@@ -391,3 +392,28 @@ def test_without_a_label_in_the_plain_read_the_probabilities_stay_exact_and_the_
     assert len(sent) == 3 and "logit_bias" in sent[1] and sent[2]["logprobs"] == 1000 and "logit_bias" not in sent[2]
     assert restricted.probabilities == pytest.approx(exact.probabilities, abs=1e-6)
     assert restricted.label_mass is None and exact.label_mass is not None
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+
+
+def test_a_config_a_served_model_cannot_work_with_is_refused_naming_the_entry(tmp_path):
+    from decisiond.gateway import config as gateway_config
+    from decisiond.gateway.config import ConfigError
+
+    for entry, message in (({"api": "completions"}, "needs a tokenizer"),
+                           ({"api": "chat", "calibration": "fit.json"}, "calibration profiles are fitted"),
+                           ({"api": "chat", "logprobs": {"restrict": "sometimes"}}, "restrict"),
+                           ({"api": "chat", "logprobs": {"top_logprobs": 0}}, "top_logprobs")):
+        with pytest.raises(ConfigError, match=message) as e:
+            gateway_config.parse({"providers": [{"name": "p", "type": "logprobs", "base_url": "http://x/v1",
+                                                 **entry}]})
+        assert e.value.field.startswith("providers.0"), e.value.field
+    for tokenizer, message in (("./no-such-dir/", "tokenizer path './no-such-dir/' does not exist"),
+                               ("nobody/no-such-model", "tokenizer 'nobody/no-such-model' could not be loaded")):
+        path = tmp_path / "gateway.yaml"
+        path.write_text(f'providers:\n  - {{name: p, type: logprobs, base_url: "http://x/v1", tokenizer: {tokenizer}}}\n')
+        done = run_decisiond("serve", "--config", str(path), "--port", "0", timeout=120,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr

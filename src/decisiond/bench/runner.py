@@ -242,6 +242,8 @@ def long_document_set(session: Session, count: int) -> None:
     for start in range(0, count, workload.ASKED_TOGETHER):
         session.side_by_side(workload.FIRST, first[start:start + workload.ASKED_TOGETHER], len(first), block=1)
         session.side_by_side(workload.AGAIN, again[start:start + workload.ASKED_TOGETHER], len(again), block=1)
+    # Prefill side by side: other documents, each asked one question (nothing of them cached anywhere).
+    session.served_side_by_side(workload.FIRST, workload.long_requests(count, (workload.ASK_FIRST,), seed=31), block=1)
 
 
 def fairness_set(session: Session, blocks: int) -> None:

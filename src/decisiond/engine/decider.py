@@ -98,7 +98,7 @@ class Decider:
             )
         check_temperature(request.temperature)
         for name in request.extra:
-            raise invalid(f"Unknown parameter: '{name}'. The local engine does not read it.", name,
+            raise invalid(f"Unknown parameter: '{name}'. decisiond's engine does not read it.", name,
                           code="unknown_parameter")
         if request.order not in (None, *ORDERS):
             raise invalid(f"order must be one of {', '.join(ORDERS)}", "order")

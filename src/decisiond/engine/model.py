@@ -154,7 +154,10 @@ def load_tokenizer(spec: str) -> LoadedTokenizer:
         source, name = str(gguf), gguf.resolve().name
     elif gguf.suffix == ".gguf" or spec.startswith((".", "/", "~")):
         raise ModelNotFound(f"tokenizer path {spec!r} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(source, **options)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **options)
+    except (OSError, ValueError) as e:  # not found (offline, a typo), or not a tokenizer
+        raise ModelNotFound(f"tokenizer {spec!r} could not be loaded: {e}") from None
     limit = getattr(tokenizer, "model_max_length", None)
     context = limit if isinstance(limit, int) and limit < 10**9 else None
     try:  # a tokenizer may come without its model's config (a tokenizer-only folder): its context is then unknown
