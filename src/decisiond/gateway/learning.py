@@ -183,6 +183,8 @@ def learn(samples: Sequence[Sample] | Table, served: Callable[[Sample], list[flo
     rule allows (module docstring). ``served``: what is served now — a ``Baseline`` (an active profile, fitted
     again in each fold), a function of a sample (answers nothing was fitted to here, scored as they are), or None
     (the base answers)."""
+    if isinstance(samples, Table) and callable(served) and not isinstance(served, Baseline):
+        raise TypeError("what is served now, as a function of a sample, needs the samples as Sample objects")
     n = samples.size if isinstance(samples, Table) else len(samples)
     if n < MIN_FIT_QUESTIONS:
         return Outcome(n, {}, reason=f"{n} labelled answers; learning needs at least {MIN_FIT_QUESTIONS}")
@@ -198,7 +200,7 @@ def learn(samples: Sequence[Sample] | Table, served: Callable[[Sample], list[flo
     if refusal is not None:
         return Outcome(n, {}, reason=refusal, inputs=inputs)
     plan = fold_plan(data.inputs)
-    if callable(served) and not isinstance(samples, Table):
+    if callable(served) and not isinstance(served, Baseline) and not isinstance(samples, Table):
         held_now: NDArray[np.float64] = np.broadcast_to(
             np.array([served(s) for s in samples], dtype=np.float64), (len(plan), *data.base.shape))
         out_of_fold = True  # nothing was fitted to these samples here: as they are is out of fold

@@ -1,11 +1,11 @@
 """Learned profiles, as served: the active ones of this process, applied by the router to each target's answers.
-Fitted by ``gateway.learning``, kept and learned by ``gateway.profile_store``.
+Fitted by ``gateway.learning``, kept by ``gateway.profile_store``, learned by ``gateway.profile_learning``.
 
-- **Learning** (``profile_store.learn_model``; ``POST /admin/learn``, ``decisiond learn``): the newest
+- **Learning** (``profile_learning.learn_model``; ``POST /admin/learn``, ``decisiond learn``): the newest
   ``LEARN_DECISIONS_MAX`` stored decisions of a model with labels (or, for a cascade, teacher labels) give, per
-  target and question, samples of what the target answered; ``gateway.learning`` fits the candidates and applies
-  the acceptance rule. An accepted profile is a new row, made the active one of its target and question in the same
-  transaction.
+  target, question and scope, samples of what the target answered; ``gateway.learning`` fits the candidates and
+  applies the acceptance rule. An accepted profile is a new row, made the active one of its target, question and
+  scope in the same transaction.
 - **Whose answers.** A profile belongs to the *target* that answered (a model entry of the catalog) and to the
   question, by its ``signature``: its type, name, instructions and options, so that a question reworded is a new
   question. For a plain model, the samples are its own answers; for a cascade, its first step's answers, with the
@@ -24,7 +24,8 @@ Fitted by ``gateway.learning``, kept and learned by ``gateway.profile_store``.
 - **Guarantee**: at most one profile is active per target, question and scope (a partial unique index): a change is
   one transaction, so every replica reads either the old active set or the new one, never a mix.
 - **Rollback**: ``PUT /admin/profiles/{id} {"active": false}`` deactivates a profile and makes the one it displaced
-  active again (where there was one); ``{"active": true}`` makes any accepted profile the active one.
+  in its scope active again (where there was one); ``{"active": true}`` makes any accepted profile the active one of
+  its scope.
 - **Not applied** to a request that sets its own ``temperature``, ``order`` or ``calibrate``: a profile was learned
   from the target's defaults.
 """

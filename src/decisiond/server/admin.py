@@ -372,8 +372,8 @@ class ProfileUpdate(StrictModel):
 
 @router.post("/learn")
 async def learn(request: Request) -> Any:
-    """Learn from a stored model's labels (``gateway.profile_store.learn_model``): per target and question, the
-    candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
+    """Learn from a stored model's labels (``gateway.profile_learning.learn_model``): per target, question and scope,
+    the candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
     other replicas within ``learning.refresh_s``."""
     try:
         gateway = await _master(request)
