@@ -19,7 +19,7 @@ from decisiond.gateway.learning import (
     predict,
     table,
 )
-from decisiond.gateway.learning_fits import SCALE_FLOOR, fit, fit_head, standardiser
+from decisiond.gateway.learning_fits import SCALE_FLOOR, fit, fit_head, prior_logits, standardiser
 
 
 def _tickets(inputs: int, per_input: int, seed: int, width: int = 8, informative: bool = True) -> list[Sample]:
@@ -60,14 +60,18 @@ def test_labels_of_one_option_are_not_learned_and_a_head_intercept_stays_finite(
         s.target = [0.0, 1.0, 0.0]
     assert "1 option(s) are the label of at least 5" in (learn(samples, lambda s: s.base).reason or "")
 
-    # The fit itself: strength · (|W|² + |c|²) bounds the intercept by sqrt(log k / strength) — the objective at the
-    # optimum is at most its value at zero, log k. Without the intercept's penalty it ran to about 10 here.
+    # The fit itself: strength · (|W|² + |c − c₀|²) keeps the intercept within sqrt(−log p₀ / strength) of c₀ (the
+    # objective at the optimum is at most its value at W = 0, c = c₀: −log p₀, p₀ = 31/33 the smoothed frequency of
+    # the one option). Without the intercept's penalty it ran to about 10 from zero here, 8 from c₀.
     features = np.array([s.features for s in samples])
     one = np.tile([1.0, 0.0, 0.0], (len(samples), 1))
+    prior = prior_logits(one)
+    assert np.all(np.isfinite(prior)) and prior[0] - prior[1] == pytest.approx(math.log(31))
     for strength in (1.0, 0.01):
         params = fit_head(features - features.mean(axis=0), one, strength)
         intercept = np.asarray(params["intercept"])
-        assert np.all(np.isfinite(intercept)) and np.linalg.norm(intercept) <= math.sqrt(math.log(3) / strength)
+        assert np.all(np.isfinite(intercept))
+        assert np.linalg.norm(intercept - prior) <= math.sqrt(-math.log(31 / 33) / strength) + 1e-6
 
 
 def test_the_standard_error_is_finite_with_few_inputs_and_weighs_as_the_gain_does():

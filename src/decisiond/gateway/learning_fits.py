@@ -4,8 +4,12 @@ is ``gateway.learning``.
 - ``calibration``: ``softmax((log base + bias) / T)``, the fit ``decisiond calibrate`` makes, with an L2 penalty
   toward the identity (``strength · (log² T + |b|²)``) and its bounds (``engine.calibration``).
 - ``head``: ``softmax(W · features + c)``, multinomial logistic regression on standardised features with an L2
-  penalty on the weights **and** the intercept (``strength · (|W|² + |c|²)``): labels of one option alone give a
-  finite intercept (at most ``sqrt(log k / strength)`` in norm), never one that runs off to infinity. A feature is
+  penalty on the weights **and** on the intercept's distance from the labels' own log-frequencies, add-one smoothed
+  (``strength · (|W|² + |c − c₀|²)``, ``prior_logits``): labels of one option alone give a finite intercept (within
+  ``sqrt(−log p₀ / strength)`` of ``c₀``, p₀ the smoothed frequency of that option), never one that runs off to
+  infinity, while a head that learns little from the features still answers the labels' frequencies (a penalty
+  toward zero would pull it toward equal odds, at a cost in log loss wherever the options are unevenly common). A
+  feature is
   standardised by its spread, floored at ``SCALE_FLOOR`` times the largest spread of any feature: a feature that
   barely moves (float rounding in a hidden state) stays as small as it is instead of being blown up to the size of
   the others.
@@ -114,25 +118,35 @@ def standardiser(features: NDArray[Any]) -> tuple[Array, Array]:
     return mean, np.maximum(scale, SCALE_FLOOR * top)
 
 
+def prior_logits(y: Array) -> Array:
+    """The log-frequencies of the labels ``y`` (soft ones count by their mass), add-one smoothed and centred: the
+    intercept a head is drawn toward."""
+    logits = np.log((y.sum(axis=0) + 1.0) / (y.shape[0] + y.shape[1]))
+    return logits - logits.mean()  # type: ignore[no-any-return]
+
+
 def fit_head(features: NDArray[Any], y: Array, strength: float) -> dict[str, Any]:
-    """Weights and intercepts minimising mean cross-entropy + strength · (|W|² + |c|²) over standardised features
-    (``standardiser``), folded back so that the profile reads the features as they are."""
+    """Weights and intercepts minimising mean cross-entropy + strength · (|W|² + |c − c₀|²) over standardised
+    features (``standardiser``; ``c₀``: ``prior_logits``), folded back so that the profile reads the features as they
+    are."""
     from scipy import optimize
 
     mean, scale = standardiser(features)
     x = (np.asarray(features, dtype=np.float64) - mean) / scale
     n, d = x.shape
     k = y.shape[1]
+    prior = prior_logits(y)
 
     def objective(theta: Array) -> tuple[float, Array]:
         w, c = theta[:k * d].reshape(k, d), theta[k * d:]
         p = softmax(x @ w.T + c)
-        loss = float(cross_entropy(p, y).mean()) + strength * (float((w * w).sum()) + float(c @ c))
+        shift = c - prior
+        loss = float(cross_entropy(p, y).mean()) + strength * (float((w * w).sum()) + float(shift @ shift))
         g = (p - y) / n
-        return loss, np.concatenate(((g.T @ x + 2 * strength * w).ravel(), g.sum(axis=0) + 2 * strength * c))
+        return loss, np.concatenate(((g.T @ x + 2 * strength * w).ravel(), g.sum(axis=0) + 2 * strength * shift))
 
-    result = optimize.minimize(objective, np.zeros(k * d + k), jac=True, method="L-BFGS-B",
-                               options={"maxiter": 300})
-    theta = result.x if np.all(np.isfinite(result.x)) else np.zeros(k * d + k)
+    start = np.concatenate((np.zeros(k * d), prior))
+    result = optimize.minimize(objective, start, jac=True, method="L-BFGS-B", options={"maxiter": 300})
+    theta = result.x if np.all(np.isfinite(result.x)) else start
     w, c = theta[:k * d].reshape(k, d) / scale, theta[k * d:]
     return {"weights": w.tolist(), "intercept": (c - w @ mean).tolist()}
