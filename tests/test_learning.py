@@ -387,9 +387,9 @@ def test_two_replicas_on_postgres_serve_the_same_active_profile(flat_dir, tmp_pa
     try:
         a = start_decisiond("--config", str(config))
         b = start_decisiond("--config", str(config))
-        ids = [ask(a, "flat", text).headers["x-request-id"] for text in TRAIN[:40]]
-        stored(a, "flat", 40)
-        label_teams(b, ids, [TICKETS[text] for text in TRAIN[:40]])
+        ids = [ask(a, "flat", text).headers["x-request-id"] for text in TRAIN[:60]]
+        stored(a, "flat", 60)
+        label_teams(b, ids, [TICKETS[text] for text in TRAIN[:60]])
         (question,) = admin(a, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
         profile = question["profile"]
         assert profile is not None, str(question)

@@ -75,20 +75,24 @@ def test_labels_of_one_option_are_not_learned_and_a_head_intercept_stays_finite(
 
 
 def test_the_standard_error_is_finite_with_few_inputs_and_weighs_as_the_gain_does():
+    """10 inputs, 2 answers each: every candidate's error is finite and positive (the old rule weighed the folds'
+    gains by their sizes in the gain, equally in its error)."""
     outcome = learn(_tickets(MIN_INPUTS, 2, seed=3, informative=False), lambda s: s.base)
     assert outcome.candidates, outcome.describe()
     for candidate in outcome.candidates:
         assert math.isfinite(candidate.gain) and math.isfinite(candidate.gain_error) and candidate.gain_error > 0
 
-    # The gain is the mean over samples; its error that of the same mean with the inputs as units.
-    differences = np.array([0.3, 0.1, 0.2, -0.4, 0.0, 0.6])
-    inputs = ["a", "a", "a", "b", "c", "c"]
-    gain, error = gain_and_error(differences, inputs)
+    # The gain is the mean over every sample and repeat; its error comes from the folds' gains, each weighing its
+    # samples as the gain does, corrected for overlapping training sets: sqrt((1/m + 1/(k - 1)) s²).
+    differences = np.array([[0.3, 0.1, 0.2, -0.4, 0.0, 0.6], [0.1, 0.1, 0.2, -0.2, 0.2, 0.4]])
+    folds = np.array([[0, 0, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0]])
+    gain, error = gain_and_error(differences, folds)
     assert gain == pytest.approx(differences.mean())
-    sums, counts = np.array([0.6, -0.4, 0.6]), np.array([3, 1, 2])
-    assert error == pytest.approx(math.sqrt(3 / 2 * ((sums - gain * counts) ** 2).sum()) / 6)
-    assert gain_and_error(np.full(5, 0.2), list("abcde")) == (pytest.approx(0.2), 0.0)  # no spread: 0, not NaN
-    assert gain_and_error(np.array([0.1, 0.2]), ["a", "a"])[1] == math.inf  # one input: no error to speak of
+    per_fold, sizes = np.array([0.6 / 3, 0.2 / 3, 0.5 / 4, 0.3 / 2]), np.array([3, 3, 4, 2])
+    spread = (sizes / 12) @ (per_fold - gain) ** 2 * 4 / 3
+    assert error == pytest.approx(math.sqrt((1 / 4 + 1 / 1) * spread))
+    assert gain_and_error(np.full((1, 4), 0.2), np.array([[0, 0, 1, 1]])) == (pytest.approx(0.2), 0.0)  # not NaN
+    assert gain_and_error(np.array([[0.1, 0.2]]), np.array([[0, 0]]))[1] == math.inf  # one fold: no error
 
 
 def test_folds_deal_distinct_inputs_and_repeat_with_other_deals():

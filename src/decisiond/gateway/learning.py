@@ -13,20 +13,20 @@ stores what this decides.
   ``REPEATS`` times (first in order of appearance, then shuffled with fixed seeds), and every sample about a held-out
   input is predicted by a fit made without any sample about that input, in every repeat.
 - **Candidates** (``learning_fits``): ``calibration`` and, where every sample has features, ``head``; each one's
-  strength is the one with the lowest cross-validated log loss (the strongest on ties).
+  strength is the one with the lowest cross-validated log loss over every repeat (the strongest on ties).
 - **What is served now** (the baseline) is scored out of fold too: the active profile is fitted again in each fold,
   its kind at its strength on its own samples less the held-out inputs (``Baseline``); without a profile, the base
   answers (nothing was fitted to them). A profile scored on the samples it learned from would look better than it
   is and block a candidate that would serve better.
-- **Gain and its standard error**, one estimator: per sample, the baseline's held-out log loss less the
-  candidate's (each the mean over the repeats); the gain is their mean over the samples, and its standard error that
-  of this mean with the inputs as the units (the sum per input as a cluster; finite with two inputs or more).
+- **Gain and its standard error**, one weighting: per sample and repeat, the baseline's held-out log loss less the
+  candidate's; the gain is their mean (every sample weighs the same), and its standard error that of the folds'
+  gains (each fold weighing its samples; a fold is one fit), corrected for the overlap of the repeats' training sets
+  (Nadeau and Bengio): finite with two folds or more, never NaN (``gain_and_error``).
 - **Acceptance** (``learn``): a candidate is accepted only where its gain exceeds one standard error and its
   cross-validated accuracy is not lower than the baseline's; of those accepted, the lowest cross-validated log loss
   wins, fitted again on every sample. Else nothing changes. A bias that buys log loss by answering the most common
-  option always can lower accuracy: it is refused. The strength is chosen on the same folds that judge the
-  candidate (not nested): the one-standard-error margin is what stands between that optimism and an accepted
-  profile.
+  option always can lower accuracy: it is refused. The strength is chosen on the folds that judge the candidate
+  (not nested): the one-standard-error margin is what stands between that optimism and an accepted profile.
 """
 
 from __future__ import annotations
@@ -206,13 +206,14 @@ def learn(samples: Sequence[Sample] | Table, served: Callable[[Sample], list[flo
         out_of_fold = True  # nothing was fitted to these samples here: as they are is out of fold
     else:
         held_now, out_of_fold = _baseline_held(data, served if isinstance(served, Baseline) else None, plan)
-    now_loss = _mean_loss(held_now, data.target)
+    now_loss = _losses(held_now, data.target)
+    folds = np.array([[fold_of[key] for key in data.inputs] for fold_of in plan])
     outcome = Outcome(n, _pooled(held_now, data.target), inputs=inputs, served_out_of_fold=out_of_fold)
     for kind in kinds:
         if kind == "head" and data.features is None:
             continue
         strength, held = _cross_validated(data, kind, plan)
-        gain, error = gain_and_error(now_loss - _mean_loss(held, data.target), data.inputs)
+        gain, error = gain_and_error(now_loss - _losses(held, data.target), folds)
         metrics = _pooled(held, data.target)
         outcome.candidates.append(_judged(kind, strength, metrics, gain, error, outcome.served))
     accepted = [c for c in outcome.candidates if c.accepted]
@@ -250,21 +251,27 @@ def _judged(kind: str, strength: float, metrics: dict[str, float], gain: float, 
     return Candidate(kind, strength, metrics, gain, error, reason is None, reason)
 
 
-def gain_and_error(differences: Array, inputs: Sequence[str]) -> tuple[float, float]:
-    """The mean of per-sample ``differences`` (each sample weighs the same) and the standard error of that mean with
-    the inputs as the units: ``sqrt(G / (G − 1) · Σ_g (s_g − gain · n_g)²) / N`` over G inputs, ``s_g`` and ``n_g``
-    the sum and count of input g's samples (N in all). Infinite below two inputs, never NaN."""
-    keys, inverse = np.unique(np.asarray(inputs, dtype=object), return_inverse=True)
-    total = differences.size
-    if total == 0:
-        return 0.0, math.inf
-    sums = np.bincount(inverse, weights=differences, minlength=len(keys))
-    counts = np.bincount(inverse, minlength=len(keys)).astype(np.float64)
-    gain = float(sums.sum() / total)
-    if len(keys) < 2:
-        return gain, math.inf
-    spread = float(((sums - gain * counts) ** 2).sum())
-    return gain, math.sqrt(len(keys) / (len(keys) - 1) * spread) / total
+def gain_and_error(differences: NDArray[np.float64], folds: NDArray[np.intp]) -> tuple[float, float]:
+    """The gain and its standard error from per-sample ``differences`` (repeats × samples; what is served now less
+    the candidate, held out) and the fold each sample was held out in (``folds``, the same shape). The gain is the
+    mean of every difference (each sample weighs the same, in every repeat). Its error treats each fold of each
+    repeat as one unit, as a fitted profile is one per fold: the spread of the folds' gains (each weighing its
+    samples, as in the gain) with the correction of Nadeau and Bengio for repeated cross-validation, whose training
+    sets overlap: ``sqrt((1 / m + 1 / (k − 1)) · s²)`` over m folds in all, k a repeat's. Infinite below two folds,
+    never NaN."""
+    repeats = differences.shape[0]
+    k = int(folds.max()) + 1 if folds.size else 0
+    if differences.size == 0 or k < 2:
+        return (float(differences.mean()) if differences.size else 0.0), math.inf
+    units = (np.arange(repeats)[:, None] * k + folds).ravel()
+    sums = np.bincount(units, weights=differences.ravel(), minlength=repeats * k)
+    sizes = np.bincount(units, minlength=repeats * k).astype(np.float64)
+    sums, sizes = sums[sizes > 0], sizes[sizes > 0]
+    gain = float(sums.sum() / sizes.sum())
+    weights = sizes / sizes.sum()
+    m = len(sizes)
+    spread = float(weights @ (sums / sizes - gain) ** 2) * m / (m - 1)
+    return gain, math.sqrt((1.0 / m + 1.0 / (k - 1)) * spread)
 
 
 def fold_plan(inputs: Sequence[str], k: int = FOLDS, repeats: int = REPEATS) -> list[dict[str, int]]:
@@ -307,15 +314,15 @@ def _held_out(data: Table, plan: list[dict[str, int]],
 
 
 def _cross_validated(data: Table, kind: str, plan: list[dict[str, int]]) -> tuple[float, NDArray[np.float64]]:
-    """The strength with the lowest cross-validated log loss (the strongest on ties) and its held-out predictions
-    (repeats × samples × options)."""
+    """The strength with the lowest cross-validated log loss over every repeat (the strongest on ties), and its
+    held-out predictions (repeats × samples × options)."""
     best: tuple[float, float, NDArray[np.float64]] | None = None
     for strength in (STRENGTHS if kind == "calibration" else HEAD_STRENGTHS):
         def fitted(rows: Table, s: float = strength) -> dict[str, Any]:
             return fit(kind, rows, s)
 
         held = _held_out(data, plan, fitted, kind)
-        mean = float(_mean_loss(held, data.target).mean())
+        mean = float(_losses(held, data.target).mean())
         if best is None or mean < best[1] - 1e-12:
             best = (strength, mean, held)
     assert best is not None
@@ -360,9 +367,9 @@ def _alike(training: Table, data: Table, kind: str) -> bool:
         training.features.shape[1] == data.features.shape[1]
 
 
-def _mean_loss(held: NDArray[np.float64], y: Array) -> Array:
-    """Per sample, the log loss of its held-out predictions, averaged over the repeats."""
-    return np.mean([cross_entropy(h, y) for h in held], axis=0)  # type: ignore[no-any-return]
+def _losses(held: NDArray[np.float64], y: Array) -> NDArray[np.float64]:
+    """Per repeat and sample, the log loss of its held-out prediction (repeats × samples)."""
+    return np.array([cross_entropy(h, y) for h in held])
 
 
 def _pooled(held: NDArray[np.float64], y: Array) -> dict[str, float]:
