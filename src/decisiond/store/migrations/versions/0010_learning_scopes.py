@@ -11,14 +11,14 @@ A downgrade deactivates the profiles of any scope but ``/`` (the old schema woul
 drops the column and the label scopes.
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-12-20
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0010"
-down_revision = "0008"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
