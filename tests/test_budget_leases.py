@@ -202,3 +202,44 @@ def test_a_renewal_takes_the_window_before_its_holds(postgres):
             await db.aclose()
 
     asyncio.run(main())
+
+
+def test_a_spend_view_reads_once_while_the_writer_writes_without_pause(tmp_path):
+    """The admin view of a budget is read beside this process's unwritten charges as one snapshot, under the usage
+    writer's lock: one read a view, however busy the writer (a retry loop until no write landed during the read would
+    spin for as long as writes come)."""
+    async def main() -> None:
+        db = await Database.open(f"sqlite:///{tmp_path}/spend.sqlite3")
+        replica = Replica(db)
+        view = await replica.store.put(BudgetConfig(key="busy", limit_usd=1000, period="daily"), "admin")
+        reads = 0
+        spend = replica.store.spend
+
+        async def counted(*args, **kwargs):
+            nonlocal reads
+            reads += 1
+            await asyncio.sleep(0.002)  # a read that takes a moment: writes land meanwhile
+            return await spend(*args, **kwargs)
+
+        replica.store.spend = counted  # type: ignore[method-assign]
+        stop = asyncio.Event()
+        admitted = 0
+
+        async def writer() -> None:
+            nonlocal admitted
+            while not stop.is_set():
+                r = replica.book.admit_now([view], NANO // 1000) or await replica.book.admit([view], NANO // 1000)
+                admitted += 1
+                replica.charges += replica.book.settle(r, NANO // 2000)
+                await replica.write()
+
+        writing = asyncio.ensure_future(writer())
+        views = [await replica.book.spend([view]) for _ in range(20)]
+        stop.set()
+        await writing
+        assert reads == 20 and admitted >= 15  # writes went on between the reads
+        spent = [v[0]["spent_usd"] for v in views]
+        assert spent == sorted(spent)  # each a consistent snapshot: spend never seen to go back
+        await db.aclose()
+
+    asyncio.run(main())

@@ -202,11 +202,12 @@ def ask(server, model: str, text: str) -> httpx.Response:
     return response
 
 
-def label_teams(server, request_ids: list[str], teams: list[str]) -> None:
-    """Post each decision's ``team`` label as alice (who asked them)."""
+def label_teams(server, request_ids: list[str], teams: list[str], key: str = ALICE) -> None:
+    """Post each decision's ``team`` label as alice (who asked them), or with the master key (the operator's labels,
+    for everyone)."""
     for request_id, team in zip(request_ids, teams, strict=True):
         posted = httpx.post(f"{server.url}/v1/decisions/{request_id}/labels", timeout=30,
-                            headers={"Authorization": f"Bearer {ALICE}"}, json={"labels": {"team": team}})
+                            headers={"Authorization": f"Bearer {key}"}, json={"labels": {"team": team}})
         assert posted.status_code == 200, posted.text
 
 
@@ -317,13 +318,16 @@ def test_decisiond_learn_runs_the_same_learning_on_the_database(gateway):
 
 
 def test_the_playground_shows_quality_and_the_profile_an_answer_went_through(gateway, browser_factory):
+    """The labels are the operator's (the master key's): the profile learned from them serves everyone, the
+    playground's master-key requests too (alice's own labels of the earlier tests make a profile of /team/a's)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     texts = TRAIN[:60]
     ids = [ask(gateway, "flat", text).headers["x-request-id"] for text in texts]
-    label_teams(gateway, ids, [TICKETS[text] for text in texts])
-    (question,) = admin(gateway, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
+    label_teams(gateway, ids, [TICKETS[text] for text in texts], key=MASTER)
+    learned = admin(gateway, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
+    (question,) = [q for q in learned if q["scope"] == "/"]
     profile = question["profile"]
     assert profile is not None, str(question)
     browser = browser_factory("--window-size=1400,1500")
@@ -383,9 +387,9 @@ def test_two_replicas_on_postgres_serve_the_same_active_profile(flat_dir, tmp_pa
     try:
         a = start_decisiond("--config", str(config))
         b = start_decisiond("--config", str(config))
-        ids = [ask(a, "flat", text).headers["x-request-id"] for text in TRAIN[:40]]
-        stored(a, "flat", 40)
-        label_teams(b, ids, [TICKETS[text] for text in TRAIN[:40]])
+        ids = [ask(a, "flat", text).headers["x-request-id"] for text in TRAIN[:60]]
+        stored(a, "flat", 60)
+        label_teams(b, ids, [TICKETS[text] for text in TRAIN[:60]])
         (question,) = admin(a, "POST", "/admin/learn", json={"model": "flat"}).json()["questions"]
         profile = question["profile"]
         assert profile is not None, str(question)

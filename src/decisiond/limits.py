@@ -180,6 +180,7 @@ QUALITY_DECISIONS_MAX = 100_000
 # Learned profiles (``POST /admin/learn``): the labelled decisions one learning reads (the newest first), and how often
 # each replica reads the active profiles by default.
 LEARN_DECISIONS_MAX = 5000
+LEARN_PAGE = 200  # of those, read from the database (and turned into samples) at a time
 PROFILE_REFRESH_S = 5.0
 
 # Seconds one attempt on a served model (provider ``type: logprobs``) may take when its config sets no ``timeout``:

@@ -262,6 +262,8 @@ def register_quality(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     quality = sub.add_parser("quality", help="print how good a stored model's answers were against their labels")
     quality.add_argument("--model", required=True, help="a model or virtual model with store: true")
     quality.add_argument("--since", default=None, metavar="DATE", help="only decisions from then (ISO date or time)")
+    quality.add_argument("--user-path", default=None, metavar="PATH",
+                         help="show the learned profile serving this user path (default: /, the operator's)")
     quality.add_argument("--url", default="http://127.0.0.1:8000", help="the decisiond that stored them")
     quality.add_argument("--api-key", default=None, help="the master key (default: $DECISIOND_API_KEY)")
     quality.add_argument("--png", default=None, help="also draw the reliability diagram into this PNG file")
@@ -279,7 +281,8 @@ def cmd_quality(args: argparse.Namespace) -> int:
 
     check_writable(args.png)
     key = args.api_key or os.environ.get("DECISIOND_API_KEY")
-    params = {"model": args.model, **({"since": args.since} if args.since else {})}
+    params = {"model": args.model, **({"since": args.since} if args.since else {}),
+              **({"user_path": args.user_path} if args.user_path else {})}
     try:
         response = httpx.get(args.url.rstrip("/") + "/admin/quality", params=params, timeout=120,
                              headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -300,7 +303,10 @@ def cmd_quality(args: argparse.Namespace) -> int:
         share = q["escalated_share"]
         profile = q.get("profile") or {}
         cv = profile.get("cv") or {}
-        learned = [f"{profile['kind']} v{profile['version']} ({profile['id']})" if profile else "none",
+        others = len(q.get("profiles") or ()) - bool(profile)
+        shown = (f"{profile['kind']} v{profile['version']} ({profile['id']}) at {profile['scope']}" if profile
+                 else "none")
+        learned = [shown + (f", +{others} of other scopes" if others > 0 else ""),
                    *(f"{cv[k]:.3f}" if k in cv else "–" for k in ("accuracy", "log_loss"))]
         rows.append(f"| {q['question']} | {q['stored']} | {q['labels']} | " + " | ".join(cells)
                     + f" | {'–' if share is None else f'{share:.1%}'} | " + " | ".join(learned) + " |")
@@ -322,8 +328,8 @@ def register_learn(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def cmd_learn(args: argparse.Namespace) -> int:
     """Learn on the server's database (``--database-url``, else ``--config``'s, else DECISIOND_DATABASE_URL, else the
     default SQLite file), as ``POST /admin/learn`` does: every replica serves an accepted profile within its
-    ``learning.refresh_s``. With ``--config``, a model it does not store is refused. Prints, per target and
-    question, the cross-validated metrics of what is served now and of each candidate, and what was accepted."""
+    ``learning.refresh_s``. With ``--config``, a model it does not store is refused. Prints, per target, question
+    and scope, the cross-validated metrics of what is served now and of each candidate, and what was accepted."""
     config = load_config(args)
     if config is not None:
         stored = [m.name for m in config.models if m.store] + [v.name for v in config.virtual_models if v.store]
@@ -335,25 +341,28 @@ def cmd_learn(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     rows = [f"{report['model']}: {report['decisions']} decisions with labels or teacher labels", "",
-            "| question | target | labels | teacher | candidate | accuracy | log loss | gain ± SE | verdict |",
-            "|---|---|---:|---:|---|---:|---:|---:|---|"]
+            "| question | target | scope | labels | teacher | candidate | accuracy | log loss | gain ± SE | verdict |",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---|"]
     for q in report["questions"]:
-        head = f"| {q['question']} | {q['target']} | {q['labels']} | {q['teacher_labels']} |"
+        head = f"| {q['question']} | {q['target']} | {q['scope']} | {q['labels']} | {q['teacher_labels']} |"
         served = q["served"]
         if served:
             rows.append(f"{head} served now | {served['accuracy']:.3f} | {served['log_loss']:.3f} | | |")
         for c in q["candidates"]:
             verdict = f"accepted: {q['profile']}" if q["accepted"] == c["kind"] else (c["reason"] or "not the best")
-            rows.append(f"| | | | | {c['kind']} | {c['cv']['accuracy']:.3f} | {c['cv']['log_loss']:.3f} | "
+            rows.append(f"| | | | | | {c['kind']} | {c['cv']['accuracy']:.3f} | {c['cv']['log_loss']:.3f} | "
                         f"{c['log_loss_gain']:.3f} ± {c['gain_error']:.3f} | {verdict} |")
         if not q["candidates"]:
             rows.append(f"{head} | | | | {q['reason']} |")
+    rows += [""] + [f"scope {scope}: {c['questions']} question(s), {c['labels']} labels, {c['teacher_labels']} "
+                    f"teacher labels, {c['accepted']} accepted" for scope, c in report["scopes"].items()]
     print("\n".join(rows))
     return 0
 
 
 async def _learn(args: argparse.Namespace, config: GatewayConfig | None) -> dict[str, Any]:
-    from ..gateway.profile_store import ProfileStore, learn_model
+    from ..gateway.profile_learning import learn_model
+    from ..gateway.profile_store import ProfileStore
 
     db = await _open_database(args, config)
     try:

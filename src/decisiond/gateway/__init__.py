@@ -13,13 +13,13 @@ later one (``tests/test_layers.py`` reads this list and checks it, and that no i
    — one module per provider type, registered in one table (``providers.REGISTRY``).
 3. config: config.py
    — loading the YAML, ``${ENV}``, and validating each provider entry against its registered type.
-4. router: catalog.py router.py cascade.py forward.py learning.py profiles.py
+4. router: catalog.py router.py cascade.py forward.py learning_fits.py learning.py profiles.py
    — every spelling of a model to its one entry and policy; skip rules and failover; a cascade's steps; chat traffic
    forwarded; learned profiles fitted (pure) and applied to each target's answers.
 5. stages: stages/
    — one module per pipeline stage (request limits, resolve, allowlist, cache, rate limits, budget, guardrails),
    and the caller's authentication.
-6. service: usage.py journal.py usage_writer.py decisions.py profile_store.py service.py
+6. service: usage.py journal.py usage_writer.py decisions.py profile_store.py profile_learning.py service.py
    — usage records, their journal and their writer; stored decisions and their labels; learned profiles kept and
    learned; the gateway assembled (stages in order, the router last).
 

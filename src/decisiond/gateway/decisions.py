@@ -8,6 +8,9 @@
 - **Labels.** ``POST /v1/decisions/{request_id}/labels {"labels": {name: value}}``: a predicate's ``true``/``false``,
   a choice's value, a score's level index (``check_labels``, 400 naming the field otherwise); a second label for a
   question replaces the first. A key labels (and deletes) only its own decisions; the master key any.
+- **Whose labels.** Each label keeps the scope it was posted under (``label_scope``: the poster's user path; the
+  master key's is ``/``, the operator's): it counts, for learning, for that user path and below it only
+  (``gateway.profile_store``). A cascade's teacher labels are the operator's model's: scope ``/``.
 - **Quality.** Over the newest labelled decisions of each model, per question: how many labels, the accuracy of the
   answer served (its most probable value against the label) and its expected calibration error over ``ECE_BINS``
   bins of confidence (``quality``).
@@ -126,6 +129,13 @@ def check_labels(questions: list[dict[str, Any]], body: Any) -> dict[str, Any]:
     return labels
 
 
+def label_scope(caller: Caller) -> str:
+    """The scope of the labels ``caller`` posts: its user path — a key's own, or the path below it that it named
+    (``X-Decisiond-User-Path``); the master key's ``/`` unless it names one. Its labels count for that path and
+    below only."""
+    return caller.user_path
+
+
 def label_index(question: dict[str, Any], value: Any) -> int | None:
     """The position of a label's value among the question's answer probabilities: a score's level index, else the
     value's place among the question's values (of the same JSON type: ``true`` is no choice ``1``); None for a value
@@ -158,16 +168,16 @@ def quality(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]],
     return out
 
 
-def report(model: str, rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any] | None, Any]],
+def report(model: str, rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any] | None, Any, Any]],
            bins: int = ECE_BINS) -> dict[str, Any]:
     """``GET /admin/quality``: per question of ``model``'s stored decisions (``rows``: questions, answers, labels,
-    steps), how many were stored and labelled, the quality of the answers served against the labels
-    (``scores.metrics``) with the reliability diagram's bins, and for a cascade the share that went on past its
-    first step."""
+    steps, label scopes), how many were stored and labelled (and the labels per scope they count under), the
+    quality of the answers served against the labels (``scores.metrics``) with the reliability diagram's bins, and
+    for a cascade the share that went on past its first step."""
     stored: dict[str, int] = {}
     escalated: dict[str, int] = {}
     cascade = False
-    for questions, _, _, steps in rows:
+    for questions, _, _, steps, _ in rows:
         later = {int(k) for step in (steps or [])[1:] for k in step["answers"]}
         cascade = cascade or steps is not None
         for k, question in enumerate(questions):
@@ -176,18 +186,35 @@ def report(model: str, rows: list[tuple[list[dict[str, Any]], list[Any], dict[st
                 continue
             stored[name] = stored.get(name, 0) + 1
             escalated[name] = escalated.get(name, 0) + (k in later)
-    labelled = [(questions, answers, labels) for questions, answers, labels, _ in rows if labels]
+    labelled = [(questions, answers, labels) for questions, answers, labels, _, _ in rows if labels]
     pairs = _pairs(labelled)
+    scoped = _label_scopes(rows)
     out = []
     for name in sorted(stored):
         measured = scores.metrics(pairs.get(name, []), bins=bins)
         out.append({
             "question": name, "stored": stored[name], "labels": int(measured["n"]),
+            "labels_by_scope": dict(sorted(scoped.get(name, {}).items())),
             "served": {k: measured[k] for k in ("accuracy", "log_loss", "brier", "ece")} if measured["n"] else None,
             "reliability": scores.reliability(pairs.get(name, []), bins),
             "escalated_share": escalated[name] / stored[name] if cascade else None,
         })
     return {"object": "decision.quality", "model": model, "decisions": len(rows), "bins": bins, "questions": out}
+
+
+def _label_scopes(rows: list[tuple[list[dict[str, Any]], list[Any], dict[str, Any] | None, Any, Any]]
+                  ) -> dict[str, dict[str, int]]:
+    """Per question name, how many of its labels (those ``_pairs`` counts) count under each scope."""
+    out: dict[str, dict[str, int]] = {}
+    for questions, answers, labels, _, scopes in rows:
+        for k, question in enumerate(questions):
+            name = question["name"]
+            if name is None or name not in (labels or {}) or k >= len(answers) or not answers[k]:
+                continue
+            scope = (scopes or {}).get(name, "unknown")
+            counts = out.setdefault(name, {})
+            counts[scope] = counts.get(scope, 0) + 1
+    return out
 
 
 Pairs = dict[str, list[tuple[list[float], int]]]
@@ -224,16 +251,19 @@ class DecisionStore:
                            "kept, and a key sees only its own)", ("request_id",), code="decision_not_found")
         return row
 
-    async def label(self, request_id: str, labels: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
-        """Merge ``labels`` into the decision's (a question labelled again takes the new value): all its labels."""
+    async def label(self, request_id: str, labels: dict[str, Any], scope: str,
+                    now: datetime | None = None) -> dict[str, Any]:
+        """Merge ``labels``, posted under ``scope`` (``label_scope``), into the decision's (a question labelled again
+        takes the new value and the new scope): all its labels."""
         now = now or datetime.now(timezone.utc)
 
         def run(connection: Connection) -> dict[str, Any]:
-            current = connection.execute(select(StoredDecision.labels).where(
-                StoredDecision.request_id == request_id)).scalar_one_or_none() or {}
+            row = connection.execute(select(StoredDecision.labels, StoredDecision.label_scopes).where(
+                StoredDecision.request_id == request_id)).one_or_none()
+            current, scopes = (row[0] or {}, row[1] or {}) if row is not None else ({}, {})
             merged = {**current, **labels}
             connection.execute(update(StoredDecision).where(StoredDecision.request_id == request_id).values(
-                labels=merged, labelled_at=now))
+                labels=merged, label_scopes={**scopes, **{name: scope for name in labels}}, labelled_at=now))
             return merged
 
         return await self.db.write(run)
@@ -254,15 +284,16 @@ class DecisionStore:
 
         return await self.db.write(run)
 
-    async def since(self, model: str, since: datetime | None, limit: int) -> list[tuple[Any, Any, Any, Any]]:
-        """The newest ``limit`` stored decisions of ``model`` (from ``since``): (questions, answers, labels, steps)."""
+    async def since(self, model: str, since: datetime | None, limit: int) -> list[tuple[Any, Any, Any, Any, Any]]:
+        """The newest ``limit`` stored decisions of ``model`` (from ``since``): (questions, answers, labels, steps,
+        label scopes)."""
         query = select(StoredDecision.questions, StoredDecision.answers, StoredDecision.labels,
-                       StoredDecision.steps).where(StoredDecision.model == model)
+                       StoredDecision.steps, StoredDecision.label_scopes).where(StoredDecision.model == model)
         if since is not None:
             query = query.where(StoredDecision.time >= since)
         async with self.db.session() as session:
             rows = (await session.execute(query.order_by(StoredDecision.time.desc()).limit(limit))).all()
-        return [(r[0], r[1], r[2], r[3]) for r in rows]
+        return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
 
     async def labelled(self, model: str, limit: int) -> list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]:
         """The newest ``limit`` labelled decisions of ``model``: (questions, answers, labels) each."""

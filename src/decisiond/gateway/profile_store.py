@@ -1,87 +1,47 @@
-"""Learned profiles, kept and learned: versioned rows on the gateway's database, and the learning that makes them.
-(What they are and how they are served: ``gateway.profiles``.)
+"""Learned profiles, kept: versioned rows on the gateway's database, one active at most per target, question and
+scope, and the labelled decisions learning reads. (What profiles are and how they are served: ``gateway.profiles``;
+the learning that makes them: ``gateway.profile_learning``.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
-import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy import String, and_, cast, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from ..errors import DecisionError, InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound
 from ..limits import LEARN_DECISIONS_MAX
 from ..store.db import Database, aware
 from ..store.tables import LearnedProfile, StoredDecision
-from .decisions import label_index
-from .learning import Outcome, Sample, decode_features, learn, predict, prepare
-from .profiles import Active, options
+from .learning import Outcome, Sample
+from .learning_fits import Table
 
-log = logging.getLogger("decisiond.gateway")
-
-
-# ------------------------------------------------------------------------------------------------- samples
+# The columns of a stored decision learning reads, in this order (``profile_learning.collect``).
+LEARNED_COLUMNS = (StoredDecision.request_id, StoredDecision.questions, StoredDecision.answers,
+                   StoredDecision.labels, StoredDecision.label_scopes, StoredDecision.steps, StoredDecision.teacher,
+                   StoredDecision.sources, StoredDecision.request)
 
 
 @dataclass
 class Group:
-    """The samples of one target's answers to one question."""
+    """One target's answers to one question as learned for one scope: the samples, and what ``ProfileStore.accept``
+    keeps beside an accepted profile (how many human labels, of which ``inherited`` were posted under a scope above
+    ``scope``; the rest of the samples are teacher labels)."""
 
     target: str
     signature: str
     question: str
-    samples: list[Sample]
-    labels: int = 0  # of which human labels (the rest teacher labels)
-
-
-def samples(rows: Sequence[tuple[Any, Any, Any, Any, Any, Any, Any]]) -> dict[tuple[str, str], Group]:
-    """Per (target, signature), the samples of ``rows``: (questions, answers, labels, steps, teacher, sources,
-    request) of stored decisions. Questions without a name or a signature (stored before profiles existed) are
-    skipped; the samples of one input share a cross-validation fold."""
-    groups: dict[tuple[str, str], Group] = {}
-    for questions, answers, labels, steps, teacher, sources, request in rows:
-        labels, teacher = labels or {}, teacher or {}
-        about = hashlib.sha256(json.dumps((request or {}).get("input"), sort_keys=True).encode()).hexdigest()
-        if steps:
-            first = steps[0]
-            given = {int(k): p for k, p in first["answers"].items()}
-            origin = {int(k): s for k, s in (first.get("sources") or {}).items()}
-        else:
-            given = dict(enumerate(answers))
-            origin = dict(enumerate(sources or []))
-        for k, question in enumerate(questions):
-            name, sig = question.get("name"), question.get("signature")
-            src = origin.get(k)
-            if name is None or sig is None or not src or src.get("target") is None or given.get(k) is None:
-                continue
-            width = len(question["values"])
-            if name in labels:
-                gold = label_index(question, labels[name])
-                if gold is None:
-                    continue
-                target = [float(i == gold) for i in range(width)]
-            elif name in teacher and steps and teacher[name] is not None:
-                target = options(teacher[name], question["type"])
-            else:
-                continue
-            base = options(src.get("base") or given[k], question["type"])
-            features = decode_features(src["features"]) if src.get("features") else None
-            group = groups.setdefault((src["target"], sig), Group(src["target"], sig, name, []))
-            group.samples.append(Sample(base, features, target, about))
-            group.labels += name in labels
-    return groups
-
-
-# --------------------------------------------------------------------------------------------------- store
+    samples: Table | Sequence[Sample]
+    labels: int = 0
+    scope: str = "/"
+    inherited: int = 0
 
 
 class ProfileStore:
@@ -89,7 +49,7 @@ class ProfileStore:
 
     def __init__(self, db: Database):
         self.db = db
-        # One learning at a time (``learn_model``): each holds its samples and fits in memory.
+        # One learning at a time (``profile_learning.learn_model``): each holds its samples and fits in memory.
         self.learning = asyncio.Lock()
 
     async def active_ids(self) -> set[str]:
@@ -97,17 +57,26 @@ class ProfileStore:
             return set((await session.execute(select(LearnedProfile.id).where(
                 LearnedProfile.active.is_(True)))).scalars())
 
-    async def active(self) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    async def active(self) -> list[tuple[str, str, str, str, str, dict[str, Any]]]:
+        """(id, target, signature, scope, kind, params) of every active profile (``ProfileBook.replace``)."""
         async with self.db.session() as session:
             rows = (await session.execute(select(
-                LearnedProfile.id, LearnedProfile.target, LearnedProfile.signature, LearnedProfile.kind,
-                LearnedProfile.params).where(LearnedProfile.active.is_(True)))).all()
-        return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+                LearnedProfile.id, LearnedProfile.target, LearnedProfile.signature, LearnedProfile.scope,
+                LearnedProfile.kind, LearnedProfile.params).where(LearnedProfile.active.is_(True)))).all()
+        return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
 
-    async def listing(self, model: str | None) -> list[LearnedProfile]:
+    async def active_rows(self) -> list[LearnedProfile]:
+        async with self.db.session() as session:
+            return list((await session.execute(select(LearnedProfile).where(
+                LearnedProfile.active.is_(True)))).scalars())
+
+    async def listing(self, model: str | None, scope: str | None = None) -> list[LearnedProfile]:
+        """The newest 1,000 profiles (``model``: learned from, or serving, that name; ``scope``: of that scope)."""
         query = select(LearnedProfile).order_by(LearnedProfile.created_at.desc())
         if model is not None:
             query = query.where(or_(LearnedProfile.model == model, LearnedProfile.target == model))
+        if scope is not None:
+            query = query.where(LearnedProfile.scope == scope)
         async with self.db.session() as session:
             return list((await session.execute(query.limit(1000))).scalars())
 
@@ -119,14 +88,15 @@ class ProfileStore:
         return row
 
     async def accept(self, model: str, group: Group, outcome: Outcome, now: datetime | None = None) -> str:
-        """Store an accepted profile as the active one of its target and question, in one transaction."""
+        """Store an accepted profile as the active one of its target, question and scope, in one transaction."""
         now = now or datetime.now(timezone.utc)
         profile_id = "prof_" + uuid.uuid4().hex[:24]
         chosen = outcome.chosen
         assert outcome.kind is not None and outcome.params is not None and chosen is not None
 
         def run(connection: Connection) -> None:
-            where = (LearnedProfile.target == group.target, LearnedProfile.signature == group.signature)
+            where = (LearnedProfile.target == group.target, LearnedProfile.signature == group.signature,
+                     LearnedProfile.scope == group.scope)
             version = connection.execute(select(func.count()).select_from(LearnedProfile).where(*where)).scalar_one()
             replaced = connection.execute(select(LearnedProfile.id).where(
                 *where, LearnedProfile.active.is_(True))).scalar_one_or_none()
@@ -134,22 +104,23 @@ class ProfileStore:
                 active=False))
             connection.execute(insert(LearnedProfile).values(
                 id=profile_id, model=model, target=group.target, question=group.question, signature=group.signature,
-                version=int(version) + 1, kind=outcome.kind, params=outcome.params,
-                metrics={**outcome.describe(), "labels": group.labels, "replaced": replaced,
-                         "cv": chosen.metrics},
+                scope=group.scope, version=int(version) + 1, kind=outcome.kind, params=outcome.params,
+                metrics={**outcome.describe(), "labels": group.labels, "inherited_labels": group.inherited,
+                         "replaced": replaced, "cv": chosen.metrics, "strength": chosen.strength},
                 accepted=True, active=True, created_at=now, activated_at=now))
 
         await self._changing(run)
         return profile_id
 
     async def set_active(self, profile_id: str, active: bool, now: datetime | None = None) -> str | None:
-        """Make the profile the active one of its target and question, or deactivate it and reactivate the one it
-        replaced (if any); the id active now for its question (None: the base answers)."""
+        """Make the profile the active one of its target, question and scope, or deactivate it and reactivate the
+        one it replaced (if any); the id active now for its question and scope (None: none of that scope)."""
         now = now or datetime.now(timezone.utc)
         row = await self.get(profile_id)
 
         def run(connection: Connection) -> str | None:
-            where = (LearnedProfile.target == row.target, LearnedProfile.signature == row.signature)
+            where = (LearnedProfile.target == row.target, LearnedProfile.signature == row.signature,
+                     LearnedProfile.scope == row.scope)
             current = connection.execute(select(LearnedProfile.id).where(
                 *where, LearnedProfile.active.is_(True))).scalar_one_or_none()
             if active:
@@ -182,68 +153,35 @@ class ProfileStore:
             raise InvalidRequest("another change activated a profile for this question at the same time; try again",
                                  ("profile",), code="profile_conflict", status=409) from None
 
-    async def labelled(self, model: str) -> list[tuple[Any, Any, Any, Any, Any, Any, Any]]:
-        """The newest ``LEARN_DECISIONS_MAX`` decisions of ``model`` with a label or a teacher label."""
+    async def labelled_ids(self, model: str) -> list[str]:
+        """The request ids of the newest ``LEARN_DECISIONS_MAX`` decisions of ``model`` with a label or a teacher
+        label, newest first (a decision without teacher labels keeps a JSON ``null`` there, not SQL NULL)."""
+        teacher = and_(StoredDecision.teacher.is_not(None), cast(StoredDecision.teacher, String) != "null")
         async with self.db.session() as session:
-            rows = (await session.execute(
-                select(StoredDecision.questions, StoredDecision.answers, StoredDecision.labels, StoredDecision.steps,
-                       StoredDecision.teacher, StoredDecision.sources, StoredDecision.request)
-                .where(StoredDecision.model == model,
-                       or_(StoredDecision.labelled_at.is_not(None), StoredDecision.teacher.is_not(None)))
-                .order_by(StoredDecision.time.desc()).limit(LEARN_DECISIONS_MAX))).all()
-        return [(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows]
+            return list((await session.execute(
+                select(StoredDecision.request_id)
+                .where(StoredDecision.model == model, or_(StoredDecision.labelled_at.is_not(None), teacher))
+                .order_by(StoredDecision.time.desc(), StoredDecision.request_id.desc())
+                .limit(LEARN_DECISIONS_MAX))).scalars())
 
-
-async def learn_model(store: ProfileStore, model: str) -> dict[str, Any]:
-    """``POST /admin/learn``: learn from ``model``'s stored decisions, per target and question; accept what the rule
-    allows. Reading the samples and fitting run in a thread, off the event loop; one learning runs at a time in a
-    process (another waits). A question whose learning fails is reported with its error; the others go on."""
-    async with store.learning:
-        rows = await store.labelled(model)
-        groups = await asyncio.to_thread(samples, list(reversed(rows)))  # oldest first: folds interleave over time
-        active = {(t, s): Active(i, k, prepare(k, p)) for i, t, s, k, p in await store.active()}
-        out = []
-        for key, group in sorted(groups.items(), key=lambda kv: (kv[1].question, kv[0])):
-            current = active.get(key)
-            report: dict[str, Any] = {"question": group.question, "target": group.target,
-                                      "signature": group.signature, "labels": group.labels,
-                                      "teacher_labels": len(group.samples) - group.labels}
-
-            def served(sample: Sample, current: Active | None = current) -> list[float]:
-                if current is not None:
-                    changed = predict(current.kind, current.params, sample.base, sample.features)
-                    if changed is not None:
-                        return changed
-                return sample.base
-
-            try:
-                outcome = await asyncio.to_thread(learn, group.samples, served)
-                profile_id = await store.accept(model, group, outcome) if outcome.kind is not None else None
-            except DecisionError as error:
-                out.append({**report, "profile": None, "accepted": None, "candidates": [], "served": {},
-                            "samples": len(group.samples), "reason": error.message})
-                continue
-            except Exception as error:
-                log.exception("learning failed", extra={"model": model, "question": group.question})
-                out.append({**report, "profile": None, "accepted": None, "candidates": [], "served": {},
-                            "samples": len(group.samples), "reason": f"learning failed: {type(error).__name__}"})
-                continue
-            if profile_id is not None:
-                log.info("profile accepted", extra={"model": model, "target": group.target,
-                                                    "question": group.question, "profile": profile_id,
-                                                    "kind": outcome.kind})
-            out.append({**report, "replaces": current.id if current is not None and profile_id else None,
-                        "profile": profile_id, **outcome.describe()})
-    return {"object": "learning", "model": model, "decisions": len(rows), "questions": out}
+    async def labelled_rows(self, ids: Sequence[str]) -> list[tuple[Any, ...]]:
+        """The ``LEARNED_COLUMNS`` of the decisions ``ids``, in that order (those deleted meanwhile left out)."""
+        async with self.db.session() as session:
+            rows = (await session.execute(select(*LEARNED_COLUMNS).where(
+                StoredDecision.request_id.in_(list(ids))))).all()
+        by_id = {r[0]: tuple(r) for r in rows}
+        return [by_id[i] for i in ids if i in by_id]
 
 
 def describe(row: LearnedProfile) -> dict[str, Any]:
     """A profile in ``GET /admin/profiles`` (its parameters left out: a head's weights are long)."""
+    metrics = row.metrics or {}
     return {"id": row.id, "object": "profile", "model": row.model, "target": row.target, "question": row.question,
-            "signature": row.signature, "version": row.version, "kind": row.kind, "active": row.active,
-            "accepted": row.accepted, "created_at": _epoch(row.created_at), "activated_at": _epoch(row.activated_at),
-            "labels": (row.metrics or {}).get("labels"), "cv": (row.metrics or {}).get("cv"),
-            "served_before": (row.metrics or {}).get("served"), "replaced": (row.metrics or {}).get("replaced")}
+            "signature": row.signature, "scope": row.scope, "version": row.version, "kind": row.kind,
+            "active": row.active, "accepted": row.accepted, "created_at": _epoch(row.created_at),
+            "activated_at": _epoch(row.activated_at), "labels": metrics.get("labels"),
+            "inherited_labels": metrics.get("inherited_labels"), "cv": metrics.get("cv"),
+            "served_before": metrics.get("served"), "replaced": metrics.get("replaced")}
 
 
 def _epoch(value: datetime | None) -> int | None:

@@ -96,19 +96,20 @@ class Router:
 
     async def decide(self, request: DecisionRequest, name: str, gate: Gate = _open_gate,
                      report: Callable[[Step], None] | None = None, ends: float | None = None,
-                     billed: Billed = _unbilled) -> DecisionResult:
+                     billed: Billed = _unbilled, user_path: str = "/") -> DecisionResult:
         """Answer ``request`` from the targets ``name`` (resolved by ``resolve_name``) stands for. OpenAI's limits
         were checked by the pipeline (``limits.RequestLimits``); each target's own are checked here. A cascade
         (``gateway.cascade``) tells ``report`` of each call it makes; ``ends``: an outer deadline
         (``time.monotonic()``), a cascade's over its steps; ``billed`` hears of every answer that failed its check
-        (the provider billed it all the same)."""
+        (the provider billed it all the same); ``user_path``: the caller's, which picks the learned profiles that
+        may serve it (``ProfileBook.apply``; ``/``: the operator's alone)."""
         skipped: list[DecisionError] = []
         failure: ProviderError | None = None
         virtual = self.catalog.virtual.get(name)
         budget = virtual.deadline if virtual is not None and virtual.deadline is not None else self.deadline
         ends = min(time.monotonic() + budget, ends if ends is not None else math.inf)
         if virtual is not None and virtual.strategy == "cascade":
-            return await self._cascade(request, virtual, gate, report or _unreported, ends, billed)
+            return await self._cascade(request, virtual, gate, report or _unreported, ends, billed, user_path)
         for target in self.catalog.chain(name):
             reason = target.unsupported(request)
             if reason is not None:
@@ -135,7 +136,7 @@ class Router:
                     result.provider_format = target.provider.format
                     _checked(request, result, target, billed)
                     if self.profiles is not None:
-                        self.profiles.apply(target.name, request, result)
+                        self.profiles.apply(target.name, request, result, user_path)
                     self.observer.attempt_done(target, started)
                 except ProviderError as error:
                     self.observer.attempt_done(target, started, error)
@@ -155,11 +156,12 @@ class Router:
             skipped[0].path, code=skipped[0].code)
 
     async def _cascade(self, request: DecisionRequest, virtual: VirtualModelConfig, gate: Gate,
-                       report: Callable[[Step], None], ends: float, billed: Billed) -> DecisionResult:
+                       report: Callable[[Step], None], ends: float, billed: Billed,
+                       user_path: str) -> DecisionResult:
         async def ask(asked: DecisionRequest, step: Step, step_gate: Gate) -> DecisionResult:
             with self._step(step.name, step.position, len(asked.questions)):
                 return await self.decide(asked, self.catalog.canonical(step.name) or step.name, step_gate, ends=ends,
-                                         billed=billed)
+                                         billed=billed, user_path=user_path)
 
         def reported(step: Step) -> None:
             report(step)

@@ -286,7 +286,7 @@ class Gateway:
 
         try:
             result: DecisionResult = await self.router.decide(request, context.resolved_model, gate, steps.append,
-                                                              billed=billed)
+                                                              billed=billed, user_path=context.caller.user_path)
         except BaseException:
             _cascaded(context, steps, len(request.questions), failed)
             raise

@@ -14,14 +14,14 @@
 
 Any key: ``GET /v1/usage`` → its own spend, its budgets (``remaining_usd``, ``resets_in_seconds``) and its live
 rate-limit counters.
-- ``GET /admin/quality?model=&since=`` → per question of a model with stored decisions: how many were stored and
-  labelled, the accuracy, log loss, Brier score and ECE (15 bins) of what was served, its reliability bins, for a
-  cascade the share that went on past the first step, and the active learned profile with its cross-validated
-  metrics;
-- ``POST /admin/learn`` ``{"model"}`` → per target and question of a stored model, the learning's candidates
-  (cross-validated metrics, the acceptance rule's verdict) and the profile accepted (``gateway.profiles``);
-  ``GET /admin/profiles?model=`` → the learned profiles; ``PUT /admin/profiles/{id}`` ``{"active": false}`` rolls one
-  back, ``{"active": true}`` serves it again;
+- ``GET /admin/quality?model=&since=&user_path=`` → per question of a model with stored decisions: how many were
+  stored and labelled (and the labels per scope), the accuracy, log loss, Brier score and ECE (15 bins) of what was
+  served, its reliability bins, for a cascade the share that went on past the first step, the active learned
+  profiles of every scope, and the one serving ``user_path`` (default ``/``) with its cross-validated metrics;
+- ``POST /admin/learn`` ``{"model"}`` → per target, question and scope of a stored model, the learning's candidates
+  (cross-validated metrics, the acceptance rule's verdict) and the profile accepted (``gateway.profiles``), and the
+  counts per scope; ``GET /admin/profiles?model=&scope=`` → the learned profiles; ``PUT /admin/profiles/{id}``
+  ``{"active": false}`` rolls one back within its scope, ``{"active": true}`` serves it again;
 - ``GET /admin/cache`` → the response cache's statistics (entries, bytes, hits, misses; Redis entries if shared);
 - ``DELETE /admin/cache`` → empties this process's cache and the shared Redis entries (other replicas' in-process
   copies live until their TTL).
@@ -39,7 +39,7 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
-from ..gateway import decisions, profile_store, usage
+from ..gateway import decisions, profile_learning, profile_store, usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.auth import Authenticator
@@ -323,17 +323,38 @@ async def quality(request: Request) -> Any:
         if gateway.decisions is None:
             raise Unavailable("stored decisions need a database; none is open")
         since = _time(request.query_params, "since")
+        user_path = _user_path(request.query_params, "user_path") or "/"
         rows = await gateway.decisions.since(model, since, QUALITY_DECISIONS_MAX)
         learned = await _profiles(gateway).listing(model)
     except DecisionError as error:
         return openai_error(error)
     report = decisions.report(model, rows)
-    active = {row.question: profile_store.describe(row) for row in learned if row.active and row.model == model}
+    active = [row for row in learned if row.active and row.model == model]
     for question in report["questions"]:
-        profile = active.get(question["question"])
-        question["profile"] = None if profile is None else {
-            k: profile[k] for k in ("id", "kind", "version", "target", "labels", "cv", "served_before")}
-    return {**report, "since": since.isoformat() if since else None}
+        mine = [row for row in active if row.question == question["question"]]
+        found = (profile_learning.serving_profile(mine, target, sig, user_path)
+                 for target, sig in sorted({(row.target, row.signature) for row in mine}))
+        serving = next((row for row in found if row is not None), None)
+        question["profile"] = None if serving is None else _shown(serving)
+        question["profiles"] = [_shown(row) for row in sorted(mine, key=lambda r: (r.scope, r.target))]
+    return {**report, "since": since.isoformat() if since else None, "user_path": user_path}
+
+
+def _shown(row: Any) -> dict[str, Any]:
+    """An active profile as the quality report shows it."""
+    profile = profile_store.describe(row)
+    return {k: profile[k] for k in ("id", "kind", "version", "target", "scope", "labels", "cv", "served_before")}
+
+
+def _user_path(params: Any, name: str) -> str | None:
+    """A user path given as ``?name=``, or None; 400 naming it where it is not one."""
+    value = params.get(name)
+    if value is None:
+        return None
+    try:
+        return check_user_path(value)
+    except ValueError as error:
+        raise _bad(name, str(error)) from None
 
 
 def _profiles(gateway: Gateway) -> profile_store.ProfileStore:
@@ -352,14 +373,14 @@ class ProfileUpdate(StrictModel):
 
 @router.post("/learn")
 async def learn(request: Request) -> Any:
-    """Learn from a stored model's labels (``gateway.profile_store.learn_model``): per target and question, the
-    candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
+    """Learn from a stored model's labels (``gateway.profile_learning.learn_model``): per target, question and scope,
+    the candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
     other replicas within ``learning.refresh_s``."""
     try:
         gateway = await _master(request)
         body = validate_body(LearnBody, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
         model = profile_store.check_model(body.model, gateway.stored_models)
-        report = await profile_store.learn_model(_profiles(gateway), model)
+        report = await profile_learning.learn_model(_profiles(gateway), model)
         await gateway.read_profiles()
     except DecisionError as error:
         return openai_error(error)
@@ -368,10 +389,12 @@ async def learn(request: Request) -> Any:
 
 @router.get("/profiles")
 async def list_profiles(request: Request) -> Any:
-    """The learned profiles, newest first (``?model=``: those learned from, or serving, that name)."""
+    """The learned profiles, newest first (``?model=``: those learned from, or serving, that name; ``?scope=``: those
+    of that scope)."""
     try:
         gateway = await _master(request)
-        rows = await _profiles(gateway).listing(request.query_params.get("model"))
+        scope = _user_path(request.query_params, "scope")
+        rows = await _profiles(gateway).listing(request.query_params.get("model"), scope)
     except DecisionError as error:
         return openai_error(error)
     return {"object": "list", "data": [profile_store.describe(row) for row in rows]}
@@ -379,8 +402,9 @@ async def list_profiles(request: Request) -> Any:
 
 @router.put("/profiles/{profile_id}")
 async def put_profile(request: Request, profile_id: str) -> Any:
-    """``{"active": false}`` rolls a profile back (the one it replaced is served again, else the base answers);
-    ``{"active": true}`` serves an accepted profile again."""
+    """``{"active": false}`` rolls a profile back within its scope (the one it replaced there is served again, else
+    what serves the scope above it); ``{"active": true}`` serves an accepted profile again in its scope.
+    ``active_for_question``: the profile of that scope active now (None: none)."""
     try:
         gateway = await _master(request)
         body = validate_body(ProfileUpdate, (await read_payload(request, ADMIN_BODY_LIMIT)).document)

@@ -19,8 +19,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import DecisionError, InvalidRequest, NotFound
-from ..gateway.decisions import DecisionStore, check_labels
+from ..gateway.decisions import DecisionStore, check_labels, label_scope
 from ..gateway.service import Gateway
+from ..gateway.types import Caller
 from ..store.tables import StoredDecision
 from .payload import read_payload
 from .routes import authenticate, openai_error
@@ -38,15 +39,15 @@ def _store(gateway: Gateway) -> DecisionStore:
     return gateway.decisions
 
 
-async def _decision(request: Request, request_id: str) -> tuple[DecisionStore, StoredDecision]:
-    """The caller's stored decision, waited for while it may still be on its way to the database."""
+async def _decision(request: Request, request_id: str) -> tuple[DecisionStore, StoredDecision, Caller]:
+    """The caller's stored decision, waited for while it may still be on its way to the database, and the caller."""
     gateway: Gateway = request.app.state.gateway
     caller = await authenticate(request)
     store = _store(gateway)
     deadline = time.monotonic() + WRITE_WAIT_S
     while True:
         try:
-            return store, await store.get(request_id, caller)
+            return store, await store.get(request_id, caller), caller
         except NotFound:
             if time.monotonic() >= deadline or not gateway.stored_models:
                 raise
@@ -58,10 +59,10 @@ async def _decision(request: Request, request_id: str) -> tuple[DecisionStore, S
 @router.post("/{request_id}/labels")
 async def post_labels(request: Request, request_id: str) -> JSONResponse:
     try:
-        store, row = await _decision(request, request_id)
+        store, row, caller = await _decision(request, request_id)
         payload = await read_payload(request, LABELS_BODY_LIMIT)
         labels = check_labels(row.questions, payload.document)
-        merged = await store.label(row.request_id, labels)
+        merged = await store.label(row.request_id, labels, label_scope(caller))
     except DecisionError as error:
         return openai_error(error)
     return JSONResponse({"request_id": row.request_id, "object": "decision.labels", "labels": merged})
@@ -70,7 +71,7 @@ async def post_labels(request: Request, request_id: str) -> JSONResponse:
 @router.delete("/{request_id}")
 async def delete_decision(request: Request, request_id: str) -> JSONResponse:
     try:
-        store, row = await _decision(request, request_id)
+        store, row, _ = await _decision(request, request_id)
         await store.delete(row.request_id)
     except DecisionError as error:
         return openai_error(error)

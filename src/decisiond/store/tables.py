@@ -225,6 +225,9 @@ class StoredDecision(Base):
     steps: Mapped[Any] = mapped_column(JSON, nullable=True)
     teacher: Mapped[Any] = mapped_column(JSON, nullable=True)
     labels: Mapped[Any] = mapped_column(JSON, nullable=True)
+    # Per label, the user path it was posted under (the poster's: ``gateway.decisions.label_scope``): it counts for
+    # that path and below only. Labels from before migration 0010 were given ``/``, the operator's.
+    label_scopes: Mapped[Any] = mapped_column(JSON, nullable=True)
     labelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # Per answer, what computed it: the target, the probabilities before a learned profile, the features a learned
     # head reads (base64 float32) and the profile's id (``gateway.decisions.sources``).
@@ -236,12 +239,13 @@ class LearnedProfile(Base):
     name, instructions and options), from the labels of ``model``'s stored decisions: its ``kind`` (``calibration``:
     a temperature and a bias per option; ``head``: a linear head over the model's hidden state) and ``params``, the
     cross-validated ``metrics`` it was judged on, whether the acceptance rule took it, and whether it is the one
-    served (at most one active per target and signature). ``version`` counts the profiles of its target and
-    question."""
+    served (at most one active per target, signature and scope). ``scope``: the user path whose requests it serves
+    (``/``: everyone's, where no profile of a narrower scope applies), learned from labels posted there or above.
+    ``version`` counts the profiles of its target, question and scope."""
 
     __tablename__ = "profiles"
     __table_args__ = (Index("ix_profiles_active", "active"), Index("ix_profiles_question", "target", "signature"),
-                      Index("ux_profiles_one_active", "target", "signature", unique=True,
+                      Index("ux_profiles_one_active_scope", "target", "signature", "scope", unique=True,
                             sqlite_where=text("active"), postgresql_where=text("active")))
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -249,6 +253,7 @@ class LearnedProfile(Base):
     target: Mapped[str] = mapped_column(String(256))
     question: Mapped[str] = mapped_column(String(256))
     signature: Mapped[str] = mapped_column(String(64))
+    scope: Mapped[str] = mapped_column(String(256), server_default="/")
     version: Mapped[int] = mapped_column(Integer)
     kind: Mapped[str] = mapped_column(String(16))
     params: Mapped[Any] = mapped_column(JSON)

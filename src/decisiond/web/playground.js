@@ -212,13 +212,16 @@ async function loadQuality() {
       cell(row, fmt(served.log_loss, 3));
       cell(row, fmt(served.ece, 3));
       cell(row, q.escalated_share === null ? "–" : (100 * q.escalated_share).toFixed(1) + "%");
-      cell(row, profile ? `${profile.kind} v${profile.version} (${profile.id})` : "none", "profile");
+      const others = (q.profiles || []).length - (profile ? 1 : 0);
+      cell(row, (profile ? `${profile.kind} v${profile.version} (${profile.id})` : "none") +
+        (others > 0 ? ` · ${others} of other user paths` : ""), "profile");
       cell(row, fmt(cv.accuracy, 3));
       cell(row, fmt(cv.log_loss, 3));
       body.appendChild(row);
     }
     $("quality-status").textContent = `${data.decisions} stored decisions of ${data.model}` +
-      " (a profile's figures are cross-validated on the labels it learned from)";
+      " (the profile serving /, the operator's; a profile's figures are cross-validated on the labels it learned" +
+      " from)";
     $("quality").hidden = false;
   } catch (err) {
     $("quality-status").textContent = String(err);

@@ -40,15 +40,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import DecisionError, one_line
 from ...limits import LEASE_CHUNK_REQUESTS, LEASE_IDLE_S, LEASE_PURGE_S
 from ...store.processes import dead_pid, machine, runner_name
 from ..types import Charge
+from .budget_accounts import Lease, Unwritten
 from .budget_ledger import BudgetGone, BudgetView, Hold, Ledger, Local, NoRoom, Reservation, budget_exceeded
-from .budget_unwritten import Unwritten
 
 log = logging.getLogger("decisiond.budgets")
 
@@ -60,35 +59,6 @@ VALID_SHARE = 2 / 3
 
 class LeaseUnsettled(Exception):
     """A lease that kept changing under a request (read back, lost, recalled) more often than ``READY_TRIES``."""
-
-
-@dataclass
-class Lease:
-    """This process's room in one budget window: ``room`` nano-USD of the hold ``id`` not carved out by a request,
-    usable while ``valid_until`` (monotonic) is ahead and the lease is not ``doubtful``."""
-
-    budget: BudgetView
-    start: int
-    id: str | None = None
-    room: int = 0
-    last_growth: int = 0
-    used_at: float = 0.0
-    chunk_requests: int = 0
-    # Used since ``tend`` last looked: a lease is idle only when a turn of ``tend`` finds it unused.
-    used: bool = False
-    valid_until: float = 0.0
-    doubtful: bool = False
-    unknown: set[str] = field(default_factory=set)  # holds a call with an unknown outcome may have made
-    recalls: int = 0  # counts the times its room was taken back (a growth under way then is taken back too)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    growing: asyncio.Future[None] | None = None
-
-    def usable(self, clock: float) -> bool:
-        return not self.doubtful and clock < self.valid_until
-
-    def drop(self) -> None:
-        """Its hold is gone: no room, no hold."""
-        self.id, self.room, self.valid_until, self.chunk_requests = None, 0, 0.0, 0
 
 
 class LeaseBook:
@@ -391,25 +361,31 @@ class LeaseBook:
                 return await self.ledger.grow(lease.budget, lease.start, lease.id, new, need, chunk, amount,
                                               self.holder)
             except NoRoom as full:
-                if released or not await self._release_dead():
+                if released or not await self._release_dead(quiet=True):
                     b, now = lease.budget, time.time()
                     known = self.local(b.id, lease.start)
                     raise budget_exceeded(b, full.spent + known.spent, max(0, full.reserved - known.free), amount,
                                           int(b.window(now)[1] - now)) from None
                 released = True
 
-    async def _release_dead(self, force: bool = False) -> int:
+    async def _release_dead(self, force: bool = False, quiet: bool = False) -> int:
         """Release the holds of processes that died on this host (at most once a second unless ``force``), once
         their usage journals are written (``replay``): their charges settle on their holds first, so that no room
-        they had spent goes back."""
+        they had spent goes back. ``quiet``: a failure (the database) is logged and nothing released."""
         if not force and self.clock() - self._looked_for_dead < 1.0:
             return 0
         self._looked_for_dead = self.clock()
-        dead = {h: pid for h in await self.ledger.holders(machine()) if (pid := dead_pid(h)) is not None}
-        if self.replay is not None:
-            for pid in sorted(set(dead.values())):
-                await self.replay(pid)
-        return await self.ledger.release(sorted(dead))
+        try:
+            dead = {h: pid for h in await self.ledger.holders(machine()) if (pid := dead_pid(h)) is not None}
+            if self.replay is not None:
+                for pid in sorted(set(dead.values())):
+                    await self.replay(pid)
+            return await self.ledger.release(sorted(dead))
+        except Exception as error:
+            if not quiet:
+                raise
+            log.warning("holds of stopped processes not released", extra={"error": one_line(error)})
+            return 0
 
     # -------------------------------------------------------------------------------------------- background
 

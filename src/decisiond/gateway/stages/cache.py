@@ -3,9 +3,11 @@ identical request is answered from the cache without running the engine or calli
 
 - **Key**: SHA-256 of the resolved model name, the target that will answer (provider, its wire format, the upstream
   model; for a local engine the weights, its default order and calibration, the calibration profile in force and
-  the prompt format), the operation, and the canonical request: every field that takes part in its equality,
-  nothing of how it was spelled on the wire. One decision asked through ``/v1/decisions`` and ``/v1/systemone`` is
-  one entry, rendered per dialect; the key order of the body never matters, that of JSON the model reads does.
+  the prompt format), the operation, the canonical request (every field that takes part in its equality, nothing
+  of how it was spelled on the wire) and the learned profiles that may serve the caller's user path (none: nothing
+  added), so that no caller is served an answer computed with profiles that do not serve it. One decision asked
+  through ``/v1/decisions`` and ``/v1/systemone`` is one entry, rendered per dialect; the key order of the body
+  never matters, that of JSON the model reads does.
 - **Storage**: an in-process LRU bounded in bytes, then Redis (``cache.redis_url``) shared by replicas; both with
   ``cache.ttl``. Redis unreachable → the in-process cache alone, with a warning, never an error.
 - **Single flight**: identical concurrent misses in one process run once; the others wait and share the answer.
@@ -66,8 +68,10 @@ def cache_key(operation: str, model: str, target: Target, request: DecisionReque
               guardrails: Any = None, cascade: Any = None, profiles: str = "") -> str:
     """``guardrails``: the configs of the guardrails in force — deterministic functions of the request, so the
     entry answers exactly the request they let through (and edited). ``cascade``: a cascade's config (its steps and
-    thresholds decide that no question escalated). ``profiles``: the generation of the active learned profiles (an
-    answer stored under others is not served after a profile is accepted or rolled back)."""
+    thresholds decide that no question escalated). ``profiles``: the generation of the learned profiles that may serve
+    the caller's user path (``ProfileBook.generation``): an answer computed with one tenant's profiles is never
+    served to a caller they do not serve, and one stored under others is not served after a profile is accepted or
+    rolled back."""
     # The requested name is left out: the resolved model stands for it (lenient dialects map any name to it).
     canonical = dataclasses.replace(request, model=None)
     material = {"v": KEY_VERSION, "operation": operation, "model": model, "answerer": _answerer(target),
@@ -298,9 +302,13 @@ class CacheStage:
         in_force = self.guardrails.for_request(models, context.caller.guardrails) if self.guardrails else []
         fingerprint = [g.model_dump(mode="json") for g in in_force] or None
         cascade = self.catalog.virtual[name].model_dump(mode="json") if self.catalog.cascade_steps(name) else None
-        context.profiles_generation = self.profiles.generation if self.profiles is not None else ""
+        context.profiles_generation = self._generation(context)
         return cache_key(context.operation, name, target, request, fingerprint, cascade,
                          context.profiles_generation), target
+
+    def _generation(self, context: Context) -> str:
+        """The learned profiles that may serve this caller (its user path's), as the key names them."""
+        return self.profiles.generation(context.caller.user_path) if self.profiles is not None else ""
 
     async def __call__(self, context: Context, request: Any, call_next: Next) -> Any:
         plan = self.plan(context, request)
@@ -339,7 +347,7 @@ class CacheStage:
             blob = encode(result)
             # An answer computed while the active profiles changed may be under either set: not stored (the key
             # names the set read when the request was planned).
-            changed = self.profiles is not None and self.profiles.generation != context.profiles_generation
+            changed = self._generation(context) != context.profiles_generation
             storable = _storable(result, context, target) and not changed
             if flight is not None and (storable or not context.calls):
                 # Waiters share even an answer that is not stored, but not a cascade's that escalated (its

@@ -1,14 +1,14 @@
 """a batch's output_expires_after: the seconds its output and error files live from their creation
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 Create Date: 2026-12-09
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0011"
-down_revision = "0009"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 

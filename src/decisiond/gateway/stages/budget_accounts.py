@@ -1,15 +1,50 @@
-"""The charges a process's requests settled that its usage writer has not written to the budget ledger yet
-(``types.Charge``): counted by charge, summed by window (the spend and holds the ledger does not show yet) and by
-hold (what each hold still holds for them). ``budget_leases.LeaseBook`` keeps one."""
+"""What one process believes of its budget holds (``budget_leases.LeaseBook`` keeps them): each lease's room and how
+long it may be used (``Lease``), and the charges its requests settled that the usage writer has not written to the
+ledger yet (``Unwritten``)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from dataclasses import dataclass, field
 
 from ..types import Charge
+from .budget_ledger import BudgetView
+
+
+@dataclass
+class Lease:
+    """This process's room in one budget window: ``room`` nano-USD of the hold ``id`` not carved out by a request,
+    usable while ``valid_until`` (monotonic) is ahead and the lease is not ``doubtful``."""
+
+    budget: BudgetView
+    start: int
+    id: str | None = None
+    room: int = 0
+    last_growth: int = 0
+    used_at: float = 0.0
+    chunk_requests: int = 0
+    # Used since ``tend`` last looked: a lease is idle only when a turn of ``tend`` finds it unused.
+    used: bool = False
+    valid_until: float = 0.0
+    doubtful: bool = False
+    unknown: set[str] = field(default_factory=set)  # holds a call with an unknown outcome may have made
+    recalls: int = 0  # counts the times its room was taken back (a growth under way then is taken back too)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    growing: asyncio.Future[None] | None = None
+
+    def usable(self, clock: float) -> bool:
+        return not self.doubtful and clock < self.valid_until
+
+    def drop(self) -> None:
+        """Its hold is gone: no room, no hold."""
+        self.id, self.room, self.valid_until, self.chunk_requests = None, 0, 0.0, 0
 
 
 class Unwritten:
+    """The charges not written yet: counted by charge, summed by window (the spend and holds the ledger does not show
+    yet) and by hold (what each hold still holds for them)."""
+
     def __init__(self) -> None:
         self._charges: Counter[Charge] = Counter()
         self._windows: dict[tuple[str, int], tuple[int, int]] = {}
