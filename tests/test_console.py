@@ -165,8 +165,12 @@ def refreshed(browser, check, timeout: float = 30) -> None:
 
 
 def sign_in_with_master_key(browser, gateway) -> None:
+    """Open the console signed in with the master key (signed out first, from an earlier test's session)."""
     browser.get(gateway.url + "/console")
-    wait_for(browser, lambda: find(browser, "#sign-in").is_displayed())
+    wait_for(browser, lambda: find(browser, "#sign-in").is_displayed() or find(browser, "#app").is_displayed())
+    if find(browser, "#app").is_displayed():
+        find(browser, "#sign-out").click()
+        wait_for(browser, lambda: find(browser, "#sign-in").is_displayed())
     find(browser, "input[name=master_key]").send_keys(MASTER)
     find(browser, "#login button[type=submit]").click()
     wait_for(browser, lambda: find(browser, "#app").is_displayed() and find(browser, "body").get_attribute(
@@ -208,7 +212,7 @@ def test_an_operator_runs_the_gateway_from_the_console(gateway, browser, tmp_pat
     row = find(browser, f'#usage-table tr[data-group="{key_id}"]')
     assert (row.get_attribute("data-requests"), float(row.get_attribute("data-cost"))) == ("3", pytest.approx(0.03))
     assert finds(browser, "#chart-cost canvas") and finds(browser, "#chart-requests .u-legend")
-    assert finds(browser, f'#audit-table tr td:nth-child(2)') and key_id in find(browser, "#audit-table").text
+    assert finds(browser, '#audit-table tr td:nth-child(2)') and key_id in find(browser, "#audit-table").text
     browser.execute_script("document.getElementById('budgets').scrollIntoView()")
     shot(browser, "console-budgets.png", tmp_path)
 
@@ -238,6 +242,33 @@ def test_an_operator_runs_the_gateway_from_the_console(gateway, browser, tmp_pat
     assert secret not in browser.page_source and MASTER not in browser.page_source
 
 
+def test_a_batch_shows_its_progress_and_is_cancelled_from_the_console(gateway, browser, tmp_path):
+    import json
+
+    lines = "".join(json.dumps({"custom_id": f"t{i}", "method": "POST", "url": "/v1/decisions", "body": {
+        "model": "flat", "input": text, "questions": [TEAM]}}) + "\n" for i, text in enumerate(list(TICKETS) * 40))
+    uploaded = httpx.post(gateway.url + "/v1/files", headers=ADMIN, data={"purpose": "batch"},
+                          files={"file": ("tickets.jsonl", lines.encode())})
+    assert uploaded.status_code == 200, uploaded.text
+    batch = httpx.post(gateway.url + "/v1/batches", headers=ADMIN, json={
+        "input_file_id": uploaded.json()["id"], "endpoint": "/v1/decisions", "completion_window": "24h"}).json()
+    sign_in_with_master_key(browser, gateway)
+    row = f'#batch-table tr[data-id="{batch["id"]}"]'
+    refreshed(browser, lambda: bool(finds(browser, row)) and "/ 2400" in find(browser, row).text)
+    assert find(browser, row).get_attribute("data-status") in ("validating", "in_progress")
+    find(browser, f"{row} button.cancel").click()
+    wait_for(browser, lambda: find(browser, row).get_attribute("data-status") in ("cancelling", "cancelled"))
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{gateway.url}/v1/batches/{batch['id']}", headers=ADMIN).json()["status"] != "cancelled":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    refreshed(browser, lambda: find(browser, row).get_attribute("data-status") == "cancelled")
+    assert not finds(browser, f"{row} button.cancel")
+    done = httpx.get(f"{gateway.url}/v1/batches/{batch['id']}", headers=ADMIN).json()["request_counts"]
+    assert done["completed"] < 2400
+    no_errors(browser)
+
+
 def test_single_sign_on_in_chromium_across_sites_signs_in_read_only(gateway, browser, idp, tmp_path):
     browser.get(gateway.url + "/console")
     wait_for(browser, lambda: find(browser, "#sign-in").is_displayed() or find(browser, "#app").is_displayed())
@@ -259,3 +290,119 @@ def test_single_sign_on_in_chromium_across_sites_signs_in_read_only(gateway, bro
     find(browser, "#sign-out").click()
     wait_for(browser, lambda: find(browser, "#sign-in").is_displayed())
     assert browser.get_cookie("decisiond_console") is None
+
+
+# ------------------------------------------------------------------------------------------ without a browser
+
+
+def session_client(gateway) -> tuple[httpx.Client, str]:
+    """A client signed in with the master key (JSON, as the page's script does) and its CSRF token."""
+    client = httpx.Client(base_url=gateway.url, follow_redirects=False, timeout=30)
+    signed = client.post("/console/login", json={"master_key": MASTER})
+    assert signed.status_code == 200, signed.text
+    cookie = signed.headers["set-cookie"].lower()
+    assert all(flag in cookie for flag in ("httponly", "samesite=strict", "path=/")) and "secure" not in cookie
+    assert MASTER not in signed.text and MASTER not in client.cookies["decisiond_console"]
+    return client, signed.json()["csrf_token"]
+
+
+def test_a_session_change_needs_its_csrf_token_from_its_own_origin(gateway):
+    client, csrf = session_client(gateway)
+    assert client.get("/admin/keys").status_code == 200  # a read needs no token
+    for headers in ({}, {"x-csrf-token": "0" * 40}, {"x-csrf-token": csrf, "origin": "http://evil.example"},
+                    {"x-csrf-token": csrf, "sec-fetch-site": "cross-site"}):
+        refused = client.post("/admin/keys", json={"name": "x"}, headers=headers)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "csrf_failed", (headers, refused.text)
+    made = client.post("/admin/keys", json={"name": "with-token"}, headers={
+        "x-csrf-token": csrf, "origin": gateway.url, "sec-fetch-site": "same-origin"})
+    assert made.status_code == 201, made.text
+    bad = client.post("/admin/keys", json={"name": ""}, headers={"x-csrf-token": csrf})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "name"
+    forged = client.cookies["decisiond_console"][:-4] + "AAAA"
+    answer = httpx.get(gateway.url + "/admin/keys", cookies={"decisiond_console": forged})
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "console_session_required"
+
+
+def test_signing_out_ends_the_session_even_for_a_copy_of_its_cookie(gateway):
+    client, csrf = session_client(gateway)
+    copy = client.cookies["decisiond_console"]
+    assert client.post("/console/logout").status_code == 403  # no CSRF token: no forced sign-out either
+    out = client.post("/console/logout", headers={"x-csrf-token": csrf})
+    assert out.status_code == 200 and 'decisiond_console=""' in out.headers["set-cookie"]
+    assert httpx.get(gateway.url + "/admin/keys", cookies={"decisiond_console": copy}).status_code == 401
+    assert httpx.get(gateway.url + "/console/session", cookies={"decisiond_console": copy}).json()["signed_in"] \
+        is False
+
+
+def test_the_bearer_admin_api_is_unchanged(gateway):
+    assert httpx.get(gateway.url + "/admin/keys", headers=ADMIN).status_code == 200
+    key = httpx.post(gateway.url + "/admin/keys", headers=ADMIN, json={"name": "plain"}).json()
+    by_key = httpx.get(gateway.url + "/admin/keys", headers={"Authorization": f"Bearer {key['key']}"})
+    assert by_key.status_code == 403 and by_key.json()["error"]["code"] == "master_key_required"
+    missing = httpx.get(gateway.url + "/admin/keys")
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    client, _ = session_client(gateway)
+    # A bearer header is the bearer API, whatever cookie comes with it: a wrong key is refused.
+    wrong = client.get("/admin/keys", headers={"Authorization": "Bearer wrong-key-0123456789"})
+    assert wrong.status_code == 401
+    listed = httpx.get(gateway.url + "/admin/keys", headers=ADMIN).text
+    assert key["key"] not in listed and "dk-" in listed  # the prefix, never the secret
+
+
+def test_the_master_key_form_and_its_refusals(gateway):
+    form = httpx.post(gateway.url + "/console/login", data={"master_key": MASTER})
+    assert form.status_code == 303 and form.headers["location"] == "/console" and "decisiond_console=" in \
+        form.headers["set-cookie"]
+    wrong = httpx.post(gateway.url + "/console/login", data={"master_key": "not-it"})
+    assert wrong.status_code == 303 and wrong.headers["location"] == "/console?sign_in_error=invalid_master_key"
+    assert "set-cookie" not in wrong.headers
+    managed = httpx.post(gateway.url + "/admin/keys", headers=ADMIN, json={"name": "not-master"}).json()["key"]
+    for body in ({"master_key": managed}, {}, {"master_key": 7}):
+        refused = httpx.post(gateway.url + "/console/login", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["param"] == "master_key", refused.text
+    log = gateway.log()
+    assert MASTER not in log and managed not in log and "not-it" not in log
+
+
+def test_the_page_holds_no_data_and_a_strict_policy(gateway):
+    page = httpx.get(gateway.url + "/console")
+    assert page.status_code == 200 and 'name="master_key"' in page.text
+    assert "http" not in page.text.replace("http-equiv", "")  # every asset is local
+    policy = page.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe" not in policy
+    assert page.headers["x-frame-options"] == "DENY" and page.headers["cache-control"] == "no-store"
+    for name in ("console.js", "console.css", "uplot.iife.min.js", "uplot.min.css"):
+        assert httpx.get(gateway.url + "/static/" + name).status_code == 200, name
+    assert "uPlot" in httpx.get(gateway.url + "/static/uplot.iife.min.js").text[:100]
+
+
+def test_the_new_admin_views_name_the_field_at_fault(gateway):
+    for path, params, field in (("/admin/usage/series", {"bucket": "week"}, "bucket"),
+                                ("/admin/usage/series", {"group_by": "colour"}, "group_by"),
+                                ("/admin/usage/series", {"start": "yesterday"}, "start"),
+                                ("/admin/quality/series", {"model": "nope"}, "model"),
+                                ("/admin/quality/series", {"model": "flat", "bucket": "minute"}, "bucket"),
+                                ("/admin/batches", {"limit": "0"}, "limit")):
+        answer = httpx.get(gateway.url + path, headers=ADMIN, params=params)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (path, answer.text)
+    missing = httpx.post(gateway.url + "/admin/batches/batch_nope/cancel", headers=ADMIN)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "batch_id"
+
+
+def test_usage_series_counts_each_request_in_its_minute(gateway):
+    def flat_requests() -> tuple[int, float]:
+        series = httpx.get(gateway.url + "/admin/usage/series", headers=ADMIN, params={
+            "bucket": "minute", "group_by": "model,key"}).json()
+        assert series["bucket_seconds"] == 60 and series["group_by"] == ["model", "key"]
+        assert all(r["bucket"].endswith(":00Z") for r in series["data"])
+        rows = [r for r in series["data"] if r["model"] == "flat" and r["key"] is None]
+        return sum(r["requests"] for r in rows), sum(r["cost_usd"] for r in rows)
+
+    before = flat_requests()
+    for text in list(TICKETS)[:2]:
+        assert ask(gateway, MASTER, text).status_code == 200
+    deadline = time.monotonic() + 20
+    while flat_requests()[0] < before[0] + 2:
+        assert time.monotonic() < deadline, "the usage series never counted the requests"
+        time.sleep(0.2)
+    assert flat_requests() == (before[0] + 2, pytest.approx(before[1] + 0.02))

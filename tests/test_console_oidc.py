@@ -24,6 +24,7 @@ providers:
 models:
   - {name: luna, provider: up, upstream: gpt-6-luna}
 console:
+  sign_in_failures_per_minute: 20  # the refusals below fail about ten sign-ins; the last test reaches the bound
   oidc:
     issuer: "${ISSUER}"
     client_id: decisiond-console
@@ -168,3 +169,19 @@ def test_a_callback_that_is_not_this_browsers_sign_in_is_refused(gateway, idp):
     other.get("/console/oidc/start")  # another sign-in in another browser: its own state and verifier
     assert refusal(other.get(back.path + "?" + back.query)) == "state_mismatch"
     assert refusal(browser.get(back.path + "?error=access_denied")) == "provider_refused"
+
+
+def test_sign_in_attempts_are_bounded(gateway, idp):
+    """Last in this file: it leaves 127.0.0.1 refused for a minute. Wrong master keys until 429; then the right
+    key and single sign-on are refused too, with Retry-After."""
+    for attempt in range(21):
+        answer = httpx.post(gateway.url + "/console/login", json={"master_key": f"guess-{attempt}"})
+        if answer.status_code == 429:
+            break
+        assert answer.status_code == 401
+    assert answer.status_code == 429 and answer.json()["error"]["code"] == "sign_in_limited", answer.text
+    assert attempt >= 5  # the earlier refusals of this file counted; fewer than 20 here
+    right = httpx.post(gateway.url + "/console/login", json={"master_key": MASTER})
+    assert right.status_code == 429 and 1 <= int(right.headers["retry-after"]) <= 60
+    assert httpx.get(gateway.url + "/console/oidc/start").status_code == 429
+    assert httpx.get(gateway.url + "/admin/keys", headers=ADMIN).status_code == 200  # the bearer API is not bounded

@@ -14,6 +14,7 @@ const SIGN_IN_ERRORS = {
   sign_in_expired: "The sign-in took too long: try again.",
 };
 let session = null;
+let keyNames = {};
 const charts = {};
 let quality = null;
 
@@ -66,6 +67,7 @@ function el(tag, attrs, ...children) {
 
 const usd = (x) => "$" + Number(x || 0).toFixed(4);
 const when = (iso) => (iso ? new Date(iso).toISOString().replace("T", " ").slice(0, 16) : "–");
+const short = (iso) => new Date(iso).toISOString().slice(5, 19).replace("T", " ");
 const fixed = (x, d) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
 
 function duration(seconds) {
@@ -139,6 +141,7 @@ async function signOut() {
 
 async function loadKeys() {
   const keys = (await api("GET", "/admin/keys")).data;
+  keyNames = Object.fromEntries(keys.map((k) => [k.id, k.name]));
   $("key-table").tBodies[0].replaceChildren(...keys.map((k) => {
     const limits = k.rate_limits ? Object.entries(k.rate_limits).map(([n, v]) => n + " " + v).join(", ") : "–";
     return el("tr", { "data-id": k.id, "data-status": k.status },
@@ -206,7 +209,8 @@ function budgetRow(b) {
                               placeholder: "new limit" });
   return el("div", { class: "budget", "data-id": b.id, "data-scope": value, "data-spent": b.spent_usd,
                      "data-limit": b.limit_usd, "data-reserved": b.reserved_usd },
-    el("div", { class: "budget-head" }, el("strong", {}, scope.replace("_", " ") + " " + value),
+    el("div", { class: "budget-head" }, el("strong", {}, scope.replace("_", " ") + " " +
+       (scope === "key" && keyNames[value] ? keyNames[value] + " (" + value + ")" : value)),
        el("span", { class: "hint" }, (b.period || duration(b.period_seconds)) + ", resets in " +
           duration(b.resets_in_seconds) + (b.source === "config" ? " (from the config file)" : ""))),
     el("div", { class: "bar", title: usd(b.spent_usd) + " spent, " + usd(b.reserved_usd) + " reserved" },
@@ -258,12 +262,19 @@ function chart(id, series, data, options) {
                            cursor: { drag: { x: false, y: false } }, ...(options || {}) }, data, box);
 }
 
+// A time axis from a bucket before the first point to one after the last (uPlot would span years round one point).
+function timeAxis(times, seconds) {
+  const range = times.length ? [times[0] - seconds, times[times.length - 1] + seconds] : [0, 1];
+  return { scales: { x: { time: true, auto: false, range } } };
+}
+
 function line(label, i) {
   return { label, stroke: COLORS[i % COLORS.length], width: 2, points: { show: true, size: 5 }, spanGaps: true };
 }
 
 async function loadUsage() {
   const group = $("usage-group").value;
+  const label = (n) => (n === "(none)" && group === "key" ? "master" : keyNames[n] ? keyNames[n] + " (" + n + ")" : n);
   const answer = await api("GET", "/admin/usage/series?bucket=" + $("usage-bucket").value + "&group_by=" + group);
   const times = [...new Set(answer.data.map((r) => Date.parse(r.bucket) / 1000))].sort((a, b) => a - b);
   const names = [...new Set(answer.data.map((r) => String(r[group] === null ? "(none)" : r[group])))].sort();
@@ -278,13 +289,14 @@ async function loadUsage() {
     t.tokens += r.input_tokens + r.output_tokens;
     t.cost += r.cost_usd;
   }
-  const series = names.map(line);
-  chart("chart-requests", series, [times, ...grid((r) => r.requests)]);
-  chart("chart-tokens", series, [times, ...grid((r) => r.input_tokens + r.output_tokens)]);
-  chart("chart-cost", series, [times, ...grid((r) => r.cost_usd)]);
+  const series = names.map((n, i) => line(label(n), i));
+  const axis = timeAxis(times, answer.bucket_seconds);
+  chart("chart-requests", series, [times, ...grid((r) => r.requests)], axis);
+  chart("chart-tokens", series, [times, ...grid((r) => r.input_tokens + r.output_tokens)], axis);
+  chart("chart-cost", series, [times, ...grid((r) => r.cost_usd)], axis);
   $("usage-table").tBodies[0].replaceChildren(...names.map((n) => el("tr",
     { "data-group": n, "data-requests": totals[n].requests, "data-cost": totals[n].cost },
-    el("td", {}, n), el("td", {}, String(totals[n].requests)), el("td", {}, String(totals[n].tokens)),
+    el("td", {}, label(n)), el("td", {}, String(totals[n].requests)), el("td", {}, String(totals[n].tokens)),
     el("td", {}, usd(totals[n].cost)))));
 }
 
@@ -319,15 +331,17 @@ function drawQuestion() {
   const name = $("quality-question").value;
   const question = quality.report.questions.find((q) => q.question === name);
   const points = (quality.series.questions.find((q) => q.question === name) || { points: [] }).points;
+  const times = points.map((p) => Date.parse(p.bucket) / 1000);
+  const axis = timeAxis(times, quality.series.bucket === "hour" ? 3600 : 86400);
   chart("chart-quality", [line("accuracy", 0), line("ECE", 1)],
-        [points.map((p) => Date.parse(p.bucket) / 1000), points.map((p) => p.accuracy), points.map((p) => p.ece)],
-        { scales: { y: { range: [0, 1] } } });
+        [times, points.map((p) => p.accuracy), points.map((p) => p.ece)],
+        { scales: { ...axis.scales, y: { auto: false, range: [0, 1] } } });
   const bins = question ? question.reliability : [];
   const xs = [0, ...bins.map((b) => b.confidence), 1];
   chart("chart-reliability", [{ label: "perfect", stroke: "#9ca3af", dash: [4, 4] },
     { label: "accuracy", stroke: COLORS[0], width: 0, paths: () => null, points: { show: true, size: 9, fill: COLORS[0] } }],
     bins.length ? [xs, xs, [null, ...bins.map((b) => b.accuracy), null]] : [[]],
-    { scales: { x: { time: false, range: [0, 1] }, y: { range: [0, 1] } } });
+    { scales: { x: { time: false, auto: false, range: [0, 1] }, y: { auto: false, range: [0, 1] } } });
   $("chart-reliability").dataset.bins = String(bins.length);
 }
 
@@ -359,7 +373,7 @@ async function loadBatches() {
 async function loadAudit() {
   const rows = (await api("GET", "/admin/audit?limit=25")).data;
   $("audit-table").tBodies[0].replaceChildren(...rows.map((r) => el("tr", { "data-id": r.id },
-    el("td", {}, when(r.time)), el("td", {}, r.key_id || "master"), el("td", {}, r.user_path),
+    el("td", {}, short(r.time)), el("td", {}, r.key_id ? keyNames[r.key_id] || r.key_id : "master"), el("td", {}, r.user_path),
     el("td", {}, r.request_type), el("td", {}, r.resolved_model || r.requested_model || "–"),
     el("td", { class: r.status >= 400 ? "status-revoked" : "" }, String(r.status)),
     el("td", {}, String(r.input_tokens + r.output_tokens)), el("td", {}, usd(r.cost)))));
@@ -369,10 +383,14 @@ async function loadAudit() {
 
 async function refreshAll() {
   if (!session) return;
-  const loads = [loadKeys, loadBudgets, loadUsage, loadBatches, loadAudit, loadQuality];
-  const results = await Promise.allSettled(loads.map((load) => load()));
-  const failure = results.find((r) => r.status === "rejected");
-  if (failure) failed(failure.reason);
+  try {
+    await loadKeys();  // first: the others name keys by their names
+    const loads = [loadBudgets, loadUsage, loadBatches, loadAudit, loadQuality];
+    const failure = (await Promise.allSettled(loads.map((load) => load()))).find((r) => r.status === "rejected");
+    if (failure) failed(failure.reason);
+  } catch (error) {
+    failed(error);
+  }
   document.body.dataset.refreshed = String(Date.now());
 }
 
