@@ -155,7 +155,7 @@ class OidcClient:
             return self._keys[1]
         document = await self._json("GET", (await self.metadata())["jwks_uri"])
         try:
-            keys = KeySet.import_key_set(document)
+            keys = KeySet.import_key_set(document)  # type: ignore[arg-type]
         except (JoseError, ValueError, KeyError, TypeError):
             raise OidcRefused("provider_error", "the identity provider's JWKS holds no usable key") from None
         self._keys = (now + CACHE_S, keys)
