@@ -172,7 +172,7 @@ def test_a_callback_that_is_not_this_browsers_sign_in_is_refused(gateway, idp):
 
 
 def test_sign_in_attempts_are_bounded(gateway, idp):
-    """Last in this file: it leaves 127.0.0.1 refused for a minute. Wrong master keys until 429; then the right
+    """The last sign-in against this file's server: it leaves 127.0.0.1 refused for a minute. Wrong master keys until 429; then the right
     key and single sign-on are refused too, with Retry-After."""
     for attempt in range(21):
         answer = httpx.post(gateway.url + "/console/login", json={"master_key": f"guess-{attempt}"})
@@ -185,3 +185,62 @@ def test_sign_in_attempts_are_bounded(gateway, idp):
     assert right.status_code == 429 and 1 <= int(right.headers["retry-after"]) <= 60
     assert httpx.get(gateway.url + "/console/oidc/start").status_code == 429
     assert httpx.get(gateway.url + "/admin/keys", headers=ADMIN).status_code == 200  # the bearer API is not bounded
+
+
+# ---------------------------------------------------------------------------------------------- in process
+
+
+def test_session_tokens_are_for_one_use_and_expire():
+    from decisiond.gateway.console_settings import ConsoleConfig
+    from decisiond.server.console_session import Sessions
+
+    now = [1_000_000.0]
+    sessions = Sessions(b"s" * 32, 600, oidc=False, clock=lambda: now[0])
+    token, session = sessions.issue("master", "admin", "master_key")
+    assert sessions.read(token) == session and "s" * 32 not in token
+    assert sessions.unsign(token, "oidc_login") is None  # a session is not a sign-in's state, nor the reverse
+    assert sessions.read(sessions.sign({"sid": "x", "sub": "a", "role": "admin", "via": "oidc"}, "oidc_login", 60)) \
+        is None
+    assert Sessions(b"t" * 32, 600, oidc=False, clock=lambda: now[0]).read(token) is None  # another secret
+    _, oidc = sessions.issue("ada", "read_only", "oidc")
+    assert sessions.read(sessions.sign({"sid": "y", "sub": "ada", "role": "read_only", "via": "oidc"}, "session",
+                                       60)) is None  # single sign-on no longer configured
+    now[0] += 601
+    assert sessions.read(token) is None
+    assert Sessions.of(ConsoleConfig(), None) is None  # no master key, no secret: no session can be signed
+    assert session.csrf != oidc.csrf and len(session.csrf) == 40
+
+
+def test_the_session_cookie_is_secure_over_https():
+    from fastapi.testclient import TestClient
+
+    from decisiond.gateway.config import parse
+    from decisiond.gateway.router import Router
+    from decisiond.gateway.service import Gateway
+    from decisiond.server.app import create_app
+
+    config = parse({"auth": {"master_key": MASTER}, "providers": [
+        {"name": "up", "type": "openai", "base_url": "http://127.0.0.1:9/v1"}]})
+    app = create_app(Router.from_config(config, {}), gateway=Gateway(Router.from_config(config, {}), config))
+    for base, secure in (("https://console.example", True), ("http://127.0.0.1", False)):
+        signed = TestClient(app, base_url=base).post("/console/login", json={"master_key": MASTER})
+        assert signed.status_code == 200, signed.text
+        assert ("; secure" in signed.headers["set-cookie"].lower()) is secure, signed.headers["set-cookie"]
+
+
+def test_the_role_claim_is_read_as_configured():
+    from decisiond.gateway.console_settings import OidcConfig
+    from decisiond.server.console_oidc import challenge, role_of
+
+    config = OidcConfig(issuer="https://idp.example", client_id="c", role_claim="realm_access.roles",
+                        admin_values=["ops"], read_only_values=["audit"])
+    assert role_of(config, {"realm_access": {"roles": ["x", "ops"]}}) == "admin"
+    assert role_of(config, {"realm_access": {"roles": "audit"}}) == "read_only"
+    assert role_of(config, {"realm_access": {"roles": ["ops-not"]}, "groups": ["ops"]}) is None
+    assert role_of(config.model_copy(update={"default_role": "read_only"}), {}) == "read_only"
+    # S256, base64url without padding (the provider of these tests checks it independently at its token endpoint)
+    assert len(challenge("v" * 43)) == 43 and "=" not in challenge("v" * 43) and challenge("a") != challenge("b")
+    for bad in ({"issuer": "http://idp.example"}, {"algorithms": ["HS256"]}, {"admin_values": []},
+                {"redirect_uri": "https://x.example/elsewhere"}):
+        with pytest.raises(ValueError):
+            OidcConfig(**{"issuer": "https://idp.example", "client_id": "c", "admin_values": ["ops"], **bad})
