@@ -172,8 +172,8 @@ def test_a_callback_that_is_not_this_browsers_sign_in_is_refused(gateway, idp):
 
 
 def test_sign_in_attempts_are_bounded(gateway, idp):
-    """The last sign-in against this file's server: it leaves 127.0.0.1 refused for a minute. Wrong master keys until 429; then the right
-    key and single sign-on are refused too, with Retry-After."""
+    """The last sign-in against this file's server: it leaves 127.0.0.1 refused for a minute. Wrong master keys
+    until 429; then the right key and single sign-on are refused too, with Retry-After."""
     for attempt in range(21):
         answer = httpx.post(gateway.url + "/console/login", json={"master_key": f"guess-{attempt}"})
         if answer.status_code == 429:
