@@ -188,14 +188,24 @@ def session_of(request: Request) -> Session:
     return session
 
 
+def _same_origin(request: Request) -> bool:
+    """Whether the browser says the request comes from this origin: ``Sec-Fetch-Site`` where it is sent (every
+    current browser; a proxy does not change it), else an ``Origin`` naming this host (``Host``, or the
+    ``X-Forwarded-Host`` a proxy set); a client that sends neither (not a browser) passes on its CSRF token alone."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return True
+    hosts = {request.headers.get(name, "").strip().lower() for name in ("host", "x-forwarded-host")} - {""}
+    return (urlsplit(origin).netloc or "").lower() in hosts
+
+
 def check_change(request: Request, session: Session, needs_admin: bool = True) -> None:
     """A change made with a session: from this same origin (where the browser says: ``Sec-Fetch-Site``,
     ``Origin``), carrying the session's CSRF token, by the admin role (``needs_admin``: signing out needs none)."""
-    site = request.headers.get("sec-fetch-site")
-    origin = request.headers.get("origin")
-    host = request.headers.get("host", "").strip().lower()
-    if (site is not None and site not in ("same-origin", "none")) or \
-            (origin is not None and (urlsplit(origin).netloc or "").lower() != host):
+    if not _same_origin(request):
         raise PermissionDenied("a console change must come from the console's own page", code="csrf_failed")
     sent = request.headers.get(CSRF_HEADER, "")
     if not hmac.compare_digest(sent.encode(), session.csrf.encode()):
