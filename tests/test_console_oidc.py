@@ -244,3 +244,26 @@ def test_the_role_claim_is_read_as_configured():
                 {"redirect_uri": "https://x.example/elsewhere"}):
         with pytest.raises(ValueError):
             OidcConfig(**{"issuer": "https://idp.example", "client_id": "c", "admin_values": ["ops"], **bad})
+
+
+def test_the_console_can_be_turned_off_and_single_sign_on_needs_a_signing_secret(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from decisiond.gateway.config import ConfigError, parse
+    from decisiond.gateway.router import Router
+    from decisiond.gateway.service import Gateway
+    from decisiond.server.app import create_app
+
+    provider = {"name": "up", "type": "openai", "base_url": "http://127.0.0.1:9/v1"}
+    config = parse({"auth": {"master_key": MASTER}, "console": {"enabled": False}, "providers": [provider]})
+    client = TestClient(create_app(Router.from_config(config, {}), gateway=Gateway(Router.from_config(config, {}),
+                                                                                   config)))
+    for method, path in (("GET", "/console"), ("GET", "/console/session"), ("POST", "/console/login"),
+                         ("GET", "/console/oidc/start")):
+        assert client.request(method, path, json={"master_key": MASTER}).status_code == 404, path
+    assert client.get("/admin/keys", headers=ADMIN).status_code != 404  # the admin API stays
+    monkeypatch.delenv("DECISIOND_MASTER_KEY", raising=False)
+    keyless = parse({"console": {"oidc": {"issuer": "https://idp.example", "client_id": "c",
+                                          "admin_values": ["ops"]}}, "providers": [provider]})
+    with pytest.raises(ConfigError, match="session_secret"):
+        Gateway(Router.from_config(keyless, {}), keyless)
