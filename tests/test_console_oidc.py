@@ -267,3 +267,38 @@ def test_the_console_can_be_turned_off_and_single_sign_on_needs_a_signing_secret
                                           "admin_values": ["ops"]}}, "providers": [provider]})
     with pytest.raises(ConfigError, match="session_secret"):
         Gateway(Router.from_config(keyless, {}), keyless)
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"], indirect=True)
+def test_usage_series_buckets_by_utc_minute_hour_and_day_on_both_databases(database):
+    import asyncio
+    from datetime import datetime, timezone
+
+    from decisiond.gateway import usage
+    from decisiond.store.db import Database
+    from decisiond.store.tables import UsageRow
+
+    times = [datetime(2026, 3, 1, 10, 15, 5, tzinfo=timezone.utc), datetime(2026, 3, 1, 10, 15, 50, tzinfo=timezone.utc),
+             datetime(2026, 3, 1, 11, 2, 0, tzinfo=timezone.utc), datetime(2026, 3, 2, 0, 0, 1, tzinfo=timezone.utc)]
+
+    async def main():
+        db = await Database.open(database)
+        try:
+            async with db.session() as session, session.begin():
+                for n, moment in enumerate(times):
+                    session.add(UsageRow(time=moment, day=moment.strftime("%Y-%m-%d"), request_id=f"r{n}",
+                                         key_id="k1", user_path="/", request_type="decisions", model="m",
+                                         input_tokens=10, output_tokens=1, cost=0.5, status=200, latency_ms=1.0))
+            where = usage.UsageFilter(start=datetime(2026, 3, 1, tzinfo=timezone.utc))
+            return {b: [(r["bucket"], r["requests"], r["cost_usd"]) for r in await usage.series(db, b, ["key"], where,
+                                                                                                 100)]
+                    for b in ("minute", "hour", "day")}
+        finally:
+            await db.aclose()
+
+    found = asyncio.run(main())
+    assert found["minute"] == [("2026-03-01T10:15:00Z", 2, 1.0), ("2026-03-01T11:02:00Z", 1, 0.5),
+                               ("2026-03-02T00:00:00Z", 1, 0.5)]
+    assert found["hour"] == [("2026-03-01T10:00:00Z", 2, 1.0), ("2026-03-01T11:00:00Z", 1, 0.5),
+                             ("2026-03-02T00:00:00Z", 1, 0.5)]
+    assert found["day"] == [("2026-03-01T00:00:00Z", 3, 1.5), ("2026-03-02T00:00:00Z", 1, 0.5)]
