@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select, update
 
 from decisiond.errors import BudgetExceeded
+from decisiond.limits import BUDGET_DB_TIMEOUT_S, DATABASE_IDLE_TRANSACTION_S
 from decisiond.gateway.settings import BudgetConfig
 from decisiond.gateway.stages.budget_leases import LeaseBook
 from decisiond.gateway.stages.budget_sql import SqlLedger, apply_charges
@@ -199,6 +200,36 @@ def test_a_renewal_takes_the_window_before_its_holds(postgres):
             assert await renewing == {first.hold, second.hold}
         finally:
             await other.close()
+            await db.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_transaction_its_process_stalls_in_is_ended_and_its_locks_freed(postgres):
+    """A process stopped mid-transaction (SIGSTOP, swapped out) holds its row locks only for
+    DATABASE_IDLE_TRANSACTION_S: PostgreSQL ends its transaction, and another replica's growth of the same window goes
+    on well within the budget check's time (BUDGET_DB_TIMEOUT_S) instead of waiting on it."""
+    async def main() -> None:
+        stalled, db = await Database.open(postgres.url), await Database.open(postgres.url)
+        store, ledger = BudgetStore(db), SqlLedger(db, 15)
+        view = await store.put(BudgetConfig(key=f"stall-{random.random()}", limit_usd=10, period="daily"), "admin")
+        start = view.window()[0]
+        await ledger.grow(view, start, None, "hold-first", NANO, NANO, NANO, "x:1:a")
+        try:
+            async with stalled.engine.connect() as connection:
+                await connection.begin()
+                await connection.execute(select(BudgetWindow).where(BudgetWindow.budget_id == view.id)
+                                         .with_for_update())
+                # The stalled process sends nothing more; its transaction stays open on its side.
+                began = asyncio.get_running_loop().time()
+                grant = await asyncio.wait_for(ledger.grow(view, start, None, "hold-second", NANO, NANO, NANO,
+                                                           "x:2:b"), BUDGET_DB_TIMEOUT_S)
+                waited = asyncio.get_running_loop().time() - began
+                assert grant.hold == "hold-second" and DATABASE_IDLE_TRANSACTION_S * 0.9 <= waited
+                with pytest.raises(Exception):  # its transaction is gone: the next statement finds the session ended
+                    await connection.execute(select(1))
+        finally:
+            await stalled.aclose()
             await db.aclose()
 
     asyncio.run(main())

@@ -270,6 +270,12 @@ def test_a_batch_shows_its_progress_and_is_cancelled_from_the_console(gateway, b
 
 
 def test_single_sign_on_in_chromium_across_sites_signs_in_read_only(gateway, browser, idp, tmp_path):
+    # A key with a budget of its own, whatever the other tests left: rows whose change buttons a viewer must not see.
+    made = httpx.post(gateway.url + "/admin/keys", headers=ADMIN, json={"name": "seen-by-a-viewer"})
+    assert made.status_code == 201, made.text
+    budget = httpx.put(gateway.url + "/admin/budgets", headers=ADMIN,
+                       json={"key": made.json()["id"], "limit_usd": 5, "period": "daily"})
+    assert budget.status_code == 200, budget.text
     browser.get(gateway.url + "/console")
     wait_for(browser, lambda: find(browser, "#sign-in").is_displayed() or find(browser, "#app").is_displayed())
     if find(browser, "#app").is_displayed():

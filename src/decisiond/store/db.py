@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from ..limits import DATABASE_CONNECT_TIMEOUT_S, SQLITE_LOCK_POLL_S, SQLITE_LOCK_WAIT_S
+from ..limits import DATABASE_CONNECT_TIMEOUT_S, DATABASE_IDLE_TRANSACTION_S, SQLITE_LOCK_POLL_S, SQLITE_LOCK_WAIT_S
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 T = TypeVar("T")
@@ -146,7 +146,9 @@ class Database:
             # A pooled connection is checked before use (a server restarted, a connection cut); a host that drops
             # packets is refused in seconds, not asyncpg's 60. A SQLite file has no connection to lose.
             options["pool_pre_ping"] = True
-            options["connect_args"] = {"timeout": DATABASE_CONNECT_TIMEOUT_S}
+            # A transaction left open by a stalled process is ended by the server, its locks with it.
+            options["connect_args"] = {"timeout": DATABASE_CONNECT_TIMEOUT_S, "server_settings": {
+                "idle_in_transaction_session_timeout": str(int(DATABASE_IDLE_TRANSACTION_S * 1000))}}
         engine = create_async_engine(resolved, **options)
         writer = None
         if resolved.startswith("sqlite"):
