@@ -9,9 +9,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # starts), or OpenMP threads spinning on each other's cores make every model test several times slower.
     os.environ["OMP_NUM_THREADS"] = "1"
 
+import atexit  # noqa: E402
 import inspect  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+# Every server keeps its state in a database: without a database_url, the default SQLite file in the data directory.
+# Each test process (each xdist worker, and the decisiond processes it starts) gets a data directory of its own,
+# never the user's, where servers that name none share it as servers of one host do.
+os.environ["DECISIOND_DATA_DIR"] = _DATA_DIR = tempfile.mkdtemp(prefix="decisiond-data-")
+atexit.register(shutil.rmtree, _DATA_DIR, ignore_errors=True)
 
 import pytest  # noqa: E402
 from servers import start_decisiond, warm  # noqa: E402

@@ -48,6 +48,25 @@ class LoadedModel:
     release_date: str = ""
 
 
+ENGINE_MODULES = ("torch", "transformers")
+
+
+def require_engine() -> None:
+    """Raise ``ModelNotFound`` naming the ``engine`` extra where this install cannot run a model (torch or
+    transformers missing: a gateway-only install, such as the gateway image); call it before importing
+    ``decisiond.engine.local``, whose imports would fail with a bare ``ImportError``."""
+    import importlib
+
+    for name in ENGINE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ModelNotFound(
+                f"a model served here (the embedded default, --model, or a provider of type local) needs decisiond's "
+                f"engine, and this install has the gateway only ({name} cannot be imported: {error}): install "
+                f"decisiond[engine], or serve a config whose providers are upstreams") from None
+
+
 def cache_root() -> Path:
     if os.environ.get("DECISIOND_CACHE_DIR"):
         return Path(os.environ["DECISIOND_CACHE_DIR"])
@@ -153,6 +172,7 @@ def check_cpu_dtype(dtype: str) -> None:
 
 def load(spec: str | None = None, dtype: str = "float32", device: str | None = None,
          served_name: str | None = None) -> LoadedModel:
+    require_engine()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -152,8 +152,7 @@ async def _master_db(request: Request) -> tuple[Database, BudgetStore]:
     caller = await gateway.auth.authenticate(request.headers)
     Authenticator.require_master(caller)
     if gateway.db is None or gateway.budgets is None:
-        raise Unavailable("usage, audit and budgets need a database; none is open (set database_url or a master "
-                          "key)", code="no_database")
+        raise Unavailable("usage, audit and budgets need the gateway's database; none is open", code="no_database")
     return gateway.db, gateway.budgets
 
 
