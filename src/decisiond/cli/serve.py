@@ -34,8 +34,8 @@ STARTUP_FAILURE = 3
 def register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="run the HTTP server")
     add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=None, help="default: $DECISIOND_HOST where set, else 127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default: $DECISIOND_PORT where set, else 8000")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--config", default=None,
                        help="gateway YAML (providers, models, virtual models); default: $DECISIOND_CONFIG where set, "
@@ -83,6 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     labels = args.metrics_question_labels
     if labels is not None and not 0 <= labels <= MAX_QUESTION_LABELS:
         return refuse(f"--metrics-question-labels must be from 0 to {MAX_QUESTION_LABELS}, not {labels}")
+    if config is None or any(provider.type == "local" for provider in config.providers):
+        from ..engine.model import ModelNotFound, require_engine
+
+        try:  # a gateway-only install is refused here, once, before a database is opened or a worker forked
+            require_engine()
+        except ModelNotFound as error:
+            return refuse(error)
     if args.workers == 1:
         return _serve_one(args, config)
     # Imported only once the configuration is known to be servable: a refusal above answers at once.
