@@ -186,10 +186,12 @@ def build_mounts(folder: Path) -> list[str]:
     return mounts + ["-v", f"{folder / 'pip.conf'}:/etc/pip.conf:ro"]
 
 
-def build(podman: Podman, variant: str, tag: str) -> float:
-    """Build the Containerfile's ``variant`` (``engine`` or ``gateway``) as ``tag``; the seconds it took."""
+def build(podman: Podman, variant: str, tag: str, cache: bool = True) -> float:
+    """Build the Containerfile's ``variant`` (``engine`` or ``gateway``) as ``tag``, on podman's cache of earlier
+    builds unless ``cache`` is false; the seconds it took."""
     started = time.monotonic()
-    podman.run("build", "--network", "host", "--format", "docker", "--pull=never", "--build-arg",
+    podman.run("build", *([] if cache else ["--no-cache"]), "--network", "host", "--format", "docker", "--pull=never",
+               "--build-arg",
                f"VARIANT={variant}", *build_mounts(podman.folder), "-t", tag, "-f", str(ROOT / "Containerfile"),
                str(ROOT), timeout=1800)
     return time.monotonic() - started
