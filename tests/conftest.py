@@ -86,20 +86,25 @@ def pytest_collection_modifyitems(config, items):
     schedule(items)
 
 
+# Files that run as long as the SmolLM2 group (the images' builds): started as early, so that none starts last.
+LONGEST_FILES = {"test_container.py"}
+
+
 def schedule(items) -> None:
     """xdist (``--dist loadgroup``) keeps a group on one worker: each test file is a group, so that its module
     fixtures start once, except that every file using the real SmolLM2 server shares one group, so that only one
     worker starts that server. Files that start no process go first (they run while the forkserver of
-    ``tests/servers.py`` does its imports), then the SmolLM2 group, the longest, then files with slow tests, so that
-    no long file starts last and leaves one worker running alone."""
+    ``tests/servers.py`` does its imports), then the SmolLM2 group and the images' builds, the longest, then files with
+    slow tests, so that no long file starts last and leaves one worker running alone."""
     files_on_server = {item.path for item in items if REAL_MODEL_SERVER & set(item.fixturenames)}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     in_process = {item.path for item in items} - {item.path for item in items if starts_processes(item)}
     for item in items:
         item.add_marker(pytest.mark.xdist_group("smollm-server" if item.path in files_on_server else
                                                 item.path.name))
-    items.sort(key=lambda item: 0 if item.path in in_process else 1 if item.path in files_on_server else
-               2 if item.path in slow_files else 3)
+    items.sort(key=lambda item: 0 if item.path in in_process else
+               1 if item.path in files_on_server or item.path.name in LONGEST_FILES else 2 if item.path in slow_files
+               else 3)
 
 
 def starts_processes(item) -> bool:

@@ -135,7 +135,7 @@ def test_a_gateway_only_install_serves_upstreams_and_refuses_a_local_model_namin
         assert answered.status_code == 200, answered.text
     finally:
         gateway.terminate()
-        assert gateway.wait(60) == 0
+        assert gateway.wait(60) in (0, -15)  # uvicorn raises SIGTERM again once it has stopped
 
 
 @pytest.mark.parametrize("name,value", [("DECISIOND_WORKERS", "two"), ("DECISIOND_WORKERS", "0"),

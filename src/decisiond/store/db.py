@@ -65,7 +65,10 @@ def private_sqlite_file(path: Path) -> None:
     opens it (an empty file is an empty database; SQLite gives its ``-wal`` and ``-shm`` files the database file's
     mode), whatever the umask. An existing file is left as it is."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.close(os.open(path, os.O_CREAT | os.O_RDONLY, 0o600))
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o600))
+    except FileExistsError:  # a database already (or a folder, which SQLite then refuses in its own words)
+        pass
 
 
 def database_url(url: str | None) -> str:
