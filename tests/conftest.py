@@ -62,13 +62,14 @@ def pytest_sessionstart(session):
 # Markers, set here from what a test uses so that no test has to remember them:
 # - ``model``: runs the real SmolLM2 model (one of these fixtures, or ``smollm_dir`` asked for directly rather than
 #   only through the tokenizer the tiny model shares);
-# - ``services``: starts PostgreSQL, Redis, Chromium or several replicas (fixtures below, or a ``postgresql`` param);
+# - ``services``: starts PostgreSQL, Redis, Chromium, llama.cpp's server or several replicas (fixtures below and in
+#   test modules, or a ``postgresql`` param);
 # - ``reliability``: everything under tests/reliability (hostile input, misbehaving upstreams, fuzzing, load);
 # - ``slow``: any of the above, or marked by hand (a whole CLI run, a kill and resume, a fresh interpreter).
 # ``pytest -m "not slow"`` is the everyday subset; ``pytest`` runs everything, as CI does.
 REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
 REAL_MODEL_SERVER = {"server", "openai_client"}
-SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser", "browser_factory"}
+SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser", "browser_factory", "llamacpp"}
 
 
 def pytest_collection_modifyitems(config, items):

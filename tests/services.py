@@ -1,7 +1,8 @@
 """Real backing services for the tests, started on free loopback ports by ``decisiond.bench.services``:
-``redis-server`` and a PostgreSQL server (``initdb``/``pg_ctl`` in a temp dir, as the ``postgres`` user when
-running as root, since PostgreSQL refuses to run as root). Where one cannot be started, the test is skipped on a
-developer's machine and fails under ``CI=true``: CI installs both (``.ci/run``)."""
+``redis-server``, a PostgreSQL server (``initdb``/``pg_ctl`` in a temp dir, as the ``postgres`` user when
+running as root, since PostgreSQL refuses to run as root) and llama.cpp's OpenAI-compatible server (llama-cpp-python's,
+on a GGUF). Where one cannot be started, the test is skipped on a developer's machine and fails under ``CI=true``: CI
+installs them (``.ci/run``: ``apt-get``, and ``install.sh`` the test extras)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def start_redis() -> Redis:
 def start_postgres() -> Postgres:
     try:
         return services.start_postgres()
+    except services.Unavailable as error:
+        unavailable(str(error))
+        raise
+
+
+def start_llamacpp(gguf, threads: int = 2):
+    try:
+        return services.start_llamacpp(gguf, threads)
     except services.Unavailable as error:
         unavailable(str(error))
         raise

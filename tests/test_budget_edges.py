@@ -175,8 +175,10 @@ def test_a_replica_stopped_past_its_lease_admits_nothing_from_room_it_lost(count
             os.kill(a.process.pid, signal.SIGCONT)
         time.sleep(2)
         results = on_a.join()
+        # Sent while A was stopped or after (a connection A's server closed for its idle time meanwhile is lost, 0):
+        # none answered from the room it lost.
         queued = [status for sent, status in results if sent > stopped + 0.05]
-        assert len(queued) >= 4 and set(queued) == {402}, queued  # nothing from the room it lost
+        assert queued.count(402) >= 4 and set(queued) <= {402, 0}, queued
         after = settled(b, ident)
         answered = sum(1 for _, s in results if s == 200) + statuses.count(200)
         assert after["spent_usd"] == pytest.approx(answered * 0.03)

@@ -343,10 +343,10 @@ def test_a_give_back_whose_acknowledgement_is_lost_makes_no_phantom_room(env):
         wa.add(a.settle(await a.admit([view], W), COST))
         await wa.flush()
         env.clock.t += 1
-        await a.tend()  # used since the last look: not idle yet
+        await a.maintain()  # used since the last look: not idle yet
         env.lose_next()
         with pytest.raises(Exception):
-            await a.tend()  # idle: gives its room back, and the reply is lost
+            await a.maintain()  # idle: gives its room back, and the reply is lost
         await in_step(env, a)
         admitted = await spend_all(b, view, wb) + await spend_all(a, view, wa)
         await wa.flush()
@@ -415,9 +415,9 @@ def test_a_give_back_cancelled_mid_commit_is_given_back_once(env):
         writer.add(book.settle(await book.admit([view], W), COST))
         await writer.flush()
         env.clock.t += 1
-        await book.tend()
+        await book.maintain()
         env.lose_next("stall")
-        stopping = asyncio.ensure_future(book.tend())  # the idle room goes back: the commit stalls
+        stopping = asyncio.ensure_future(book.maintain())  # the idle room goes back: the commit stalls
         while not env.held_back.stalled:
             await asyncio.sleep(0.001)
         stopping.cancel()  # the server stops meanwhile
@@ -596,7 +596,7 @@ def test_under_random_faults_the_books_stay_in_step_and_within_the_limit(env):
                     await writer.flush()
                 elif action < 0.95:
                     env.clock.t += 0.3
-                    await book.tend()
+                    await book.maintain()
                 else:
                     await book.renew()
         env.stop_losing()

@@ -78,9 +78,9 @@ async def run(url: str, limit_usd: float, worst_usd: float, requests: int, cost_
         await replica.write()
         for lease in list(replica.book.leases.values()):
             lease.used_at = -1e9  # idle for as long as the test says
-        await replica.book.tend()  # the first look finds it used since the last: it is idle only at the next
-        await replica.book.tend()
-    (after,) = await replicas[0].store.spend(budgets)
+        await replica.book.maintain()  # the first look finds it used since the last: it is idle only at the next
+        await replica.book.maintain()
+    (after,) = await replicas[0].store.spend_report(budgets)
     await db.aclose()
     return {"admitted": admitted, "refused": refused, "most_held": held["most"], "after": after,
             "grows": sum(r.grows for r in replicas)}
@@ -213,7 +213,7 @@ def test_a_spend_view_reads_once_while_the_writer_writes_without_pause(tmp_path)
         replica = Replica(db)
         view = await replica.store.put(BudgetConfig(key="busy", limit_usd=1000, period="daily"), "admin")
         reads = 0
-        spend = replica.store.spend
+        spend = replica.store.spend_report
 
         async def counted(*args, **kwargs):
             nonlocal reads
@@ -221,7 +221,7 @@ def test_a_spend_view_reads_once_while_the_writer_writes_without_pause(tmp_path)
             await asyncio.sleep(0.002)  # a read that takes a moment: writes land meanwhile
             return await spend(*args, **kwargs)
 
-        replica.store.spend = counted  # type: ignore[method-assign]
+        replica.store.spend_report = counted  # type: ignore[method-assign]
         stop = asyncio.Event()
         admitted = 0
 
@@ -234,7 +234,7 @@ def test_a_spend_view_reads_once_while_the_writer_writes_without_pause(tmp_path)
                 await replica.write()
 
         writing = asyncio.ensure_future(writer())
-        views = [await replica.book.spend([view]) for _ in range(20)]
+        views = [await replica.book.spend_report([view]) for _ in range(20)]
         stop.set()
         await writing
         assert reads == 20 and admitted >= 15  # writes went on between the reads

@@ -242,6 +242,17 @@ class DecisionResult:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One next-token candidate a served model reported: its log-probability, its text and, where the server says,
+    its token id."""
+
+    logprob: float
+    text: str | None = None
+    id: int | None = None
+
+
+
+@dataclass(frozen=True)
 class ScoreRequest:
     """Next-token probabilities of given label tokens after given prompts (SGLang's ``/v1/score``)."""
 

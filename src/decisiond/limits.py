@@ -182,3 +182,8 @@ QUALITY_DECISIONS_MAX = 100_000
 LEARN_DECISIONS_MAX = 5000
 LEARN_PAGE = 200  # of those, read from the database (and turned into samples) at a time
 PROFILE_REFRESH_S = 5.0
+
+# Seconds one attempt on a served model (provider ``type: logprobs``) may take when its config sets no ``timeout``:
+# a decision is several requests to the server (a question each, more for option orders and calibration), and the
+# first request to a server that just started can take seconds; still under the gateway's default deadline.
+SERVED_TIMEOUT_S = 9.0

@@ -23,6 +23,7 @@ from ..text import render_input
 
 NAIVE = "naive loop (transformers, 1 forward/question)"
 IN_PROCESS = "decisiond in-process"
+SERVED = "decisiond → llama.cpp's server (logprobs provider)"
 HTTP = "decisiond HTTP"
 CACHE_MISS = "response cache: miss (first ask), HTTP 1 client"
 CACHE_HIT = "response cache: hit (same request again), HTTP 1 client"
@@ -52,6 +53,7 @@ class Row:
     questions: int
     seconds: float
     latencies: list[float] = field(default_factory=list, repr=False)
+    tokens: int = 0  # prompt tokens of the requests' answers (usage.input_tokens), where counted
 
     @property
     def qps(self) -> float:

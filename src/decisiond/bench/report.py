@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from .measure import CACHE_HIT, CACHE_MISS, HTTP, IN_PROCESS, NAIVE, percentile
+from .measure import CACHE_HIT, CACHE_MISS, HTTP, IN_PROCESS, NAIVE, SERVED, percentile
 from .workload import AGAIN, FIRST
 
 
@@ -27,6 +27,14 @@ def speedups(report: dict[str, Any]) -> dict[str, float]:
         if len(http) >= 2:
             key = f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"
             out[key] = http[-1].qps / http[0].qps
+    for r in report["rows"]:
+        if r.mode == SERVED:
+            local = by[(r.workload, IN_PROCESS)]
+            out[f"{r.workload}: in-process / llama.cpp's server (questions/s)"] = local.qps / r.qps
+            if r.tokens and local.tokens:
+                out[f"{r.workload}: in-process / llama.cpp's server (prompt tokens/s: "
+                    f"{local.tokens / local.seconds:.0f} / {r.tokens / r.seconds:.0f})"] = \
+                    (local.tokens / local.seconds) / (r.tokens / r.seconds)
     if (AGAIN, IN_PROCESS) in by:
         again, first = by[(AGAIN, IN_PROCESS)], by[(FIRST, IN_PROCESS)]
         out["2K doc asked again / its first ask (in-process)"] = again.qps / first.qps
@@ -91,8 +99,9 @@ def _rows(report: dict[str, Any]) -> list[str]:
     lines = ["| workload | mode | questions/s | p50 request (s) | p95 request (s) | × naive | time / FLOP bound |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        naive = next(x for x in report["rows"] if x.workload == r.workload and x.mode == NAIVE)
-        bound = report["bounds"][r.workload]
+        base = r.workload.removesuffix(" (beside llama.cpp)")
+        naive = next(x for x in report["rows"] if x.workload == base and x.mode == NAIVE)
+        bound = report["bounds"][base]
         per_question_bound = bound["seconds"] / bound["targets"]
         lines.append(f"| {r.workload} | {r.mode} | {r.qps:.2f} | {r.percentile(0.5):.3f} | {r.percentile(0.95):.3f} "
                      f"| {r.qps / naive.qps:.2f} | {(1 / r.qps) / per_question_bound:.2f} |")

@@ -21,6 +21,7 @@ from ..engine.model import load
 from . import workload
 from .clients import fairness, post_concurrently, repeated, start_server
 from .measure import (
+    SERVED,
     MatmulRate,
     Row,
     clients_phrase,
@@ -36,6 +37,7 @@ from .measure import (
 # The CLI (``decisiond bench``) calls ``runner.markdown`` and ``runner.to_json``: they are report.py's.
 from .report import markdown as markdown
 from .report import to_json as to_json
+from .served import ServedEngine, gguf_of
 
 T = TypeVar("T")
 
@@ -59,6 +61,8 @@ class Session:
     fairness: dict[str, list[float]] = field(default_factory=dict)
     server_rss: dict[str, float] = field(default_factory=dict)
     server: tuple[subprocess.Popen[bytes], str] | None = None
+    # The same model in llama.cpp's server, read through the logprobs provider (``--served``).
+    served: ServedEngine | None = None
 
     def on_worker(self, fn: Callable[[], T]) -> T:
         """All model math runs on the engine's worker thread, the naive loop's too: the same thread pool for both."""
@@ -88,6 +92,26 @@ class Session:
                     for ans, probs in zip(res.answers, ref) for a, b in zip(ans.probabilities, probs))
         self.agreement[name] = max(self.agreement.get(name, 0.0), worst)
 
+    def served_side_by_side(self, name: str, requests: list[DecisionRequest], block: int = 10) -> None:
+        """llama.cpp's server (through the logprobs provider) and the in-process engine on the same requests, taking
+        turns; a row each, with the prompt tokens each answered, and the largest difference of their
+        probabilities."""
+        served = self.served
+        if served is None:
+            return
+        self.log(f"[{name}] llama.cpp's server and decisiond in-process ({len(requests)} requests), side by side …")
+        served_row, inproc_row, served_answers, results = side_by_side(
+            name, requests, len(requests), served.decide, self.engine.decide, block)
+        served_row.mode = SERVED
+        served_row.tokens = sum(r.usage.input_tokens for r in served_answers)
+        inproc_row.tokens = sum(r.usage.input_tokens for r in results)
+        inproc_row.workload = served_row.workload = f"{name} (beside llama.cpp)"
+        self.rows += [inproc_row, served_row]
+        worst = max(abs(a - b) for res, ref in zip(results, served_answers)
+                    for ans, theirs in zip(res.answers, ref.answers) for a, b in zip(ans.probabilities,
+                                                                                     theirs.probabilities))
+        self.agreement[f"{name}: llama.cpp's server vs in-process"] = worst
+
     def add(self, row: Row) -> None:
         """A row, or more of a row already measured (the same workload and mode)."""
         same = next((r for r in self.rows if (r.workload, r.mode) == (row.workload, row.mode)), None)
@@ -113,6 +137,9 @@ class Session:
             self.server_rss[workload_name] = max(self.server_rss.get(workload_name, 0.0), peak)
 
     def close(self) -> None:
+        if self.served is not None:
+            self.served.close()
+            self.served = None
         if self.server is not None:
             self.server[0].terminate()
             self.server[0].wait(timeout=30)
@@ -141,10 +168,15 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
         clients: tuple[int, ...] = (1, 4, 16), naive_tickets: int | None = None, dtype: str = "float32",
         long_documents: int = 0, fairness_blocks: int = 0, note: str = "",
         log: Callable[[str], None] = print, device: str = "auto",
-        prefix_cache_mb: float | None = None) -> dict[str, Any]:
+        prefix_cache_mb: float | None = None, served: bool = False) -> dict[str, Any]:
     """The whole benchmark, in one process on one model: each question set, then the long documents and the
-    fairness blocks when asked. Returns the report's numbers (``report.markdown``, ``report.to_json``)."""
+    fairness blocks when asked; ``served``: each question set also served by llama.cpp's server beside the in-process
+    engine. Returns the report's numbers (``report.markdown``, ``report.to_json``)."""
+    gguf = gguf_of(model) if served else None  # refused before the model loads
     session = start(model, dtype, device, prefix_cache_mb, clients, log)
+    if gguf is not None:
+        log("starting llama.cpp's server …")
+        session.served = ServedEngine(gguf, session.engine, torch.get_num_threads())
     try:
         for count in question_sets:
             question_set(session, count, tickets, naive_tickets or tickets)
@@ -184,6 +216,7 @@ def question_set(session: Session, count: int, tickets: int, naive_tickets: int)
     session.bounds[name] = flop_work(session.engine, requests)
     session.warm(warm)
     session.side_by_side(name, requests, min(len(requests), naive_tickets))
+    session.served_side_by_side(name, workload.requests(tickets, count, seed=workload.TICKETS_SEED + count + 7))
     phases = {n: workload.requests(tickets, count, seed=workload.TICKETS_SEED + count + 100 * (i + 1))
               for i, n in enumerate(session.clients)}
     session.over_http(name, phases, warm, repeat=workload.requests(tickets, count, seed=1234))
@@ -209,6 +242,8 @@ def long_document_set(session: Session, count: int) -> None:
     for start in range(0, count, workload.ASKED_TOGETHER):
         session.side_by_side(workload.FIRST, first[start:start + workload.ASKED_TOGETHER], len(first), block=1)
         session.side_by_side(workload.AGAIN, again[start:start + workload.ASKED_TOGETHER], len(again), block=1)
+    # Prefill side by side: other documents, each asked one question (nothing of them cached anywhere).
+    session.served_side_by_side(workload.FIRST, workload.long_requests(count, (workload.ASK_FIRST,), seed=31), block=1)
 
 
 def fairness_set(session: Session, blocks: int) -> None:

@@ -6,12 +6,14 @@ cannot start."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,3 +133,56 @@ def start_postgres() -> Postgres:
     except subprocess.CalledProcessError as e:
         raise Unavailable(f"PostgreSQL did not start: {e.stderr[-500:]}") from None
     return server
+
+
+@dataclass
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI-compatible server (``python -m llama_cpp.server``) on a loopback port."""
+
+    port: int
+    model: str  # the name it answers to: the GGUF's path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        stop_process(self.process, 10)
+        self.log.unlink(missing_ok=True)
+
+
+def start_llamacpp(gguf: str | os.PathLike[str], threads: int = 2, context: int = 4096,
+                   timeout: float = 120) -> LlamaCppServer:
+    """llama-cpp-python's server on ``gguf``, with the log-probabilities of every position kept (``--logits_all``:
+    its completions route reads them) and ``threads`` compute threads, once it has answered a first completion (which
+    takes seconds: later ones do not); ``Unavailable`` where it is not installed (``llama-cpp-python[server]``, in
+    decisiond's test extras) or does not start."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
+        raise Unavailable("llama-cpp-python's server is not installed (pip install 'llama-cpp-python[server]')")
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="llamacpp-", suffix=".log")[1])
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
+             str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(context),
+             "--logits_all", "true", "--verbose", "false"], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise Unavailable(f"llama.cpp's server exited with {process.returncode}: "
+                              f"{log.read_text(errors='replace')[-500:]}")
+        try:
+            body = json.dumps({"prompt": "Hello", "max_tokens": 1, "logprobs": 1}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())):
+                return LlamaCppServer(port, str(gguf), process, log)
+        except OSError:
+            time.sleep(0.2)
+    stop_process(process, 10)
+    raise Unavailable(f"llama.cpp's server did not start within {timeout:g} s")

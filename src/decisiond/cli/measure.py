@@ -85,6 +85,11 @@ def register_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     bench.add_argument("--fairness", type=int, default=0, metavar="BLOCKS",
                        help="also time tiny requests alone and with a 50-question long-document request in flight, "
                             "in BLOCKS alternating blocks of 20 (default 0: skip)")
+    bench.add_argument("--served", action="store_true",
+                       help="also serve the model (a GGUF: default or a .gguf file) with llama.cpp's server "
+                            "(llama-cpp-python, as many threads as the in-process engine) and time decisions read "
+                            "through the logprobs provider, taking turns with the in-process engine on the same "
+                            "tickets")
     bench.add_argument("--gateway", action="store_true",
                        help="instead: what the gateway adds in front of a mock upstream (keyless, keyed on SQLite, "
                             "keyed on PostgreSQL + Redis where installed) and whether a budget holds under load")
@@ -203,6 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_gateway(args)
     # Lazy: the benchmark imports torch (start-up time).
     from ..bench import runner
+    from ..bench.services import Unavailable
     from ..engine.model import ModelNotFound
 
     try:
@@ -211,8 +217,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             clients=tuple(int(x) for x in (args.clients or "1,4,16").split(",")),
                             naive_tickets=args.naive_tickets, dtype=args.dtype, long_documents=args.long_documents,
                             fairness_blocks=args.fairness, device=args.device, prefix_cache_mb=args.prefix_cache_mb,
-                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except ModelNotFound as error:
+                            served=args.served, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (ModelNotFound, Unavailable) as error:
         return refuse(error)
     return _write_report(args, lambda command: runner.markdown(report, command), lambda: runner.to_json(report),
                          "decisiond bench")

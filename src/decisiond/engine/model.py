@@ -99,10 +99,16 @@ def _fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _conversion(gguf: Path) -> tuple[Path, bool]:
+    """Where ``gguf`` is converted to, and whether it has been."""
+    target = cache_root() / "models" / f"{gguf.stem}-{_fingerprint(gguf)}"
+    return target, (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
+
+
 def converted_gguf(gguf: Path) -> Path:
     """The safetensors folder converted from ``gguf``, converting it on first use."""
-    target = cache_root() / "models" / f"{gguf.stem}-{_fingerprint(gguf)}"
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+    target, done = _conversion(gguf)
+    if done:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,6 +146,46 @@ def resolve(spec: str | None) -> tuple[str, str]:
     if path.suffix == ".gguf" or spec.startswith((".", "/", "~")):
         raise ModelNotFound(f"model path {spec!r} does not exist")
     return spec, spec  # a hub id, fetched (or read from the HF cache) by transformers
+
+
+@dataclass
+class LoadedTokenizer:
+    """A model's tokenizer without its weights: what renders prompts for a model served elsewhere."""
+
+    name: str
+    tokenizer: Any
+    context_length: int | None  # None: unknown here (the server enforces its own)
+
+
+def load_tokenizer(spec: str) -> LoadedTokenizer:
+    """The tokenizer ``spec`` names, as ``--model`` does (``default``, a folder, a ``.gguf``, a hub id); a GGUF is
+    read in place (its converted folder where ``load`` made one already), never converted for its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, name = spec, spec
+    options: dict[str, str] = {}
+    gguf = default_gguf() if spec in ("", DEFAULT_MODEL) else Path(spec).expanduser()
+    if spec in ("", DEFAULT_MODEL) or (gguf.suffix == ".gguf" and gguf.is_file()):
+        name = DEFAULT_SERVED_NAME if spec in ("", DEFAULT_MODEL) else gguf.stem
+        target, done = _conversion(gguf)
+        source, options = (str(target), {}) if done else (str(gguf.parent), {"gguf_file": gguf.name})
+    elif gguf.is_dir():
+        source, name = str(gguf), gguf.resolve().name
+    elif gguf.suffix == ".gguf" or spec.startswith((".", "/", "~")):
+        raise ModelNotFound(f"tokenizer path {spec!r} does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **options)
+    except (OSError, ValueError) as e:  # not found (offline, a typo), or not a tokenizer
+        raise ModelNotFound(f"tokenizer {spec!r} could not be loaded: {e}") from None
+    limit = getattr(tokenizer, "model_max_length", None)
+    context = limit if isinstance(limit, int) and limit < 10**9 else None
+    try:  # a tokenizer may come without its model's config (a tokenizer-only folder): its context is then unknown
+        config = AutoConfig.from_pretrained(source, **options)
+        positions = getattr(config, "max_position_embeddings", None)
+        context = min(c for c in (context, positions) if isinstance(c, int)) if positions or context else None
+    except (OSError, ValueError):
+        pass
+    return LoadedTokenizer(name, tokenizer, context)
 
 
 def pick_device(device: str | None) -> str:

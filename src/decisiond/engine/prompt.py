@@ -138,9 +138,39 @@ def check_renderable(question: Question) -> None:
 
 @dataclass
 class EncodedPrompt:
-    text: str
+    text: str  # the rendered prompt (the chat template applied)
     ids: list[int]
     label_ids: list[int]
+    content: str = ""  # the user message it renders (what a chat server is sent)
+
+
+def check_template_kwargs(request_kwargs: dict[str, Any], source: tuple[str | int, ...],
+                          allow_templates: bool = False) -> None:
+    """Refuse a request's chat_template_kwargs that turn thinking on or set one of ``apply_chat_template``'s own
+    parameters; a ``chat_template`` of its own is taken only when the server allows request templates (it is then
+    rendered under limits: ``sandbox``)."""
+    for name in APPLY_PARAMETERS:
+        if name not in request_kwargs:
+            continue
+        if name != "chat_template":
+            raise refused(f"chat_template_kwargs may not set {name!r}: it is a parameter of the templating "
+                          "call, not a template variable", *source, name)
+        if not allow_templates:
+            raise refused("chat_template_kwargs.chat_template would replace the model's chat template; this "
+                          "server does not run templates sent in requests (start it with "
+                          "--allow-request-templates to allow them)", *source, name)
+        template = request_kwargs[name]
+        if not isinstance(template, str) or len(template) > REQUEST_TEMPLATE_MAX_CHARS:
+            raise invalid(f"chat_template must be a string of at most {REQUEST_TEMPLATE_MAX_CHARS:,} characters",
+                          *source, name)
+    for name in THINKING_TOGGLES:
+        if name in request_kwargs and request_kwargs[name] is not False:
+            raise refused(
+                f"chat_template_kwargs sets {name!r} to {request_kwargs[name]!r}, but decisions need it false or "
+                "unset",
+                *source,
+                name,
+            )
 
 
 class ChatPrompter:
@@ -197,31 +227,8 @@ class ChatPrompter:
 
     def template_kwargs(self, request_kwargs: dict[str, Any],
                         source: tuple[str | int, ...] = ("chat_template_kwargs",)) -> dict[str, Any]:
-        """Thinking off, then the request's kwargs; a request that turns thinking on, or sets one of
-        ``apply_chat_template``'s own parameters, is refused. A ``chat_template`` of its own is taken only when the
-        server allows request templates, and is then rendered under limits (``sandbox``)."""
-        for name in APPLY_PARAMETERS:
-            if name not in request_kwargs:
-                continue
-            if name != "chat_template":
-                raise refused(f"chat_template_kwargs may not set {name!r}: it is a parameter of the templating "
-                              "call, not a template variable", *source, name)
-            if not self.allow_templates:
-                raise refused("chat_template_kwargs.chat_template would replace the model's chat template; this "
-                              "server does not run templates sent in requests (start it with "
-                              "--allow-request-templates to allow them)", *source, name)
-            template = request_kwargs[name]
-            if not isinstance(template, str) or len(template) > REQUEST_TEMPLATE_MAX_CHARS:
-                raise invalid(f"chat_template must be a string of at most {REQUEST_TEMPLATE_MAX_CHARS:,} characters",
-                              *source, name)
-        for name in THINKING_TOGGLES:
-            if name in request_kwargs and request_kwargs[name] is not False:
-                raise refused(
-                    f"chat_template_kwargs sets {name!r} to {request_kwargs[name]!r}, but decisions need it false or "
-                    "unset",
-                    *source,
-                    name,
-                )
+        """Thinking off, then the request's kwargs (``check_template_kwargs``)."""
+        check_template_kwargs(request_kwargs, source, self.allow_templates)
         kwargs: dict[str, Any] = {}
         if self.toggle is not None:
             kwargs[self.toggle] = False
@@ -332,7 +339,7 @@ class ChatPrompter:
                 *source,
                 code="context_length_exceeded",
             )
-        return EncodedPrompt(prompt, ids, self.label_ids(prompt, ids, labels, source))
+        return EncodedPrompt(prompt, ids, self.label_ids(prompt, ids, labels, source), content)
 
     def _label_context(self, prompt: str, ids: list[int]) -> tuple[str, list[int]]:
         """Text and ids after which labels are checked.

@@ -31,6 +31,7 @@ from ..limits import (
     PROFILE_REFRESH_S,
 )
 from .batch_settings import BatchesConfig
+from .logprobs_settings import LogprobsOptions
 from .pricing import Pricing
 from .virtual import VirtualModelConfig, check_chains
 
@@ -211,9 +212,9 @@ class ProviderConfig(BaseModel):
     name: str = Field(min_length=1)
     """The name models refer to it by."""
     type: str
-    """A registered provider type (``gateway.providers.REGISTRY``): openai, azure, systemone, local."""
+    """A registered provider type (``gateway.providers.REGISTRY``): openai, azure, systemone, local, logprobs."""
     base_url: str | None = None
-    """The upstream's URL (openai, azure, systemone); unset: the provider type's default."""
+    """The upstream's URL (openai, azure, systemone; logprobs: the server's ``/v1``); unset: the type's default."""
     api_key: str | None = None
     """The upstream's key, best given as ``${ENV}``; never logged or listed."""
     api_version: str | None = None
@@ -224,15 +225,24 @@ class ProviderConfig(BaseModel):
     """local: the name it answers to (default: from model)."""
     dtype: str = "float32"
     """local: the weights' dtype (float32, bfloat16, float16)."""
+    api: Literal["completions", "chat"] = "completions"
+    """logprobs: the served model's route. ``completions``: decisiond renders the prompt with ``tokenizer`` as its
+    local engine does; ``chat``: the server's chat template applies, and images can be sent."""
+    tokenizer: str | None = None
+    """logprobs: the served model's tokenizer and chat template (``default``, a folder, a .gguf, a hub id); needed
+    with ``api: completions``, optional with ``chat`` (labels are then found by their text)."""
+    logprobs: LogprobsOptions = Field(default_factory=LogprobsOptions)
+    """logprobs: how the server's log-probabilities are read (how many, the restriction to the labels, concurrency)."""
     order: Literal["given", "cyclic"] | None = None
-    """local: default option order (else the CLI's)."""
+    """local, logprobs: default option order (else the CLI's)."""
     calibrate: Literal["none", "contextual"] | None = None
-    """local: default calibration (else the CLI's)."""
+    """local, logprobs: default calibration (else the CLI's)."""
     calibration: str | None = None
     """local: a profile from `decisiond calibrate`."""
     timeout: float = Field(default=4.0, gt=0)
     """Seconds one attempt may take (connect included); short enough by default that a hanging first target leaves a
-    failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s).
+    failover chain time for the next within a client's timeout (the TypeSafe SDK's is 10 s). Unset for a logprobs
+    provider: 9 (a decision is several requests to the server).
     """
     connect_timeout: float = Field(default=2.0, gt=0)
     """Seconds to connect, within ``timeout``."""

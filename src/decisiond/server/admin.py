@@ -160,7 +160,7 @@ async def _spend(request: Request, budgets: list[BudgetView]) -> list[dict[str, 
     """The budgets' spend as the database has it, the room this process holds unused in its leases not counted."""
     leases = request.app.state.gateway.leases
     store: BudgetStore = request.app.state.gateway.budgets
-    return await (leases.spend(budgets) if leases is not None else store.spend(budgets))
+    return await (leases.spend_report(budgets) if leases is not None else store.spend_report(budgets))
 
 
 def _bad(param: str, message: str) -> DecisionError:

@@ -58,7 +58,7 @@ def _render_part(part: Part, context: str) -> dict[str, Any]:
         return out
     if isinstance(part, Json):
         return {"type": "input_json", "data": part.data}
-    out = {"type": "input_image", "image_url": part.url or _data_url(part)}
+    out = {"type": "input_image", "image_url": image_url(part)}
     if part.detail is not None:
         out["detail"] = part.detail
     if part.cache_breakpoint and context == "input":
@@ -66,7 +66,10 @@ def _render_part(part: Part, context: str) -> dict[str, Any]:
     return out
 
 
-def _data_url(image: Image) -> str:
+def image_url(image: Image) -> str:
+    """The URL an image is sent by: its own, or its bytes as a data: URL."""
+    if image.url:
+        return image.url
     return f"data:{image.media_type or 'image/png'};base64," + base64.b64encode(image.data or b"").decode()
 
 

@@ -15,6 +15,7 @@ from ..settings import ProviderConfig
 from .azure import AzureProvider
 from .base import Provider
 from .local import LocalProvider
+from .logprobs import LogprobsProvider
 from .openai import OpenAIProvider
 from .systemone import SystemOneProvider
 
@@ -23,6 +24,7 @@ REGISTRY: dict[str, type[Provider]] = {
     "azure": AzureProvider,
     "systemone": SystemOneProvider,
     "local": LocalProvider,
+    "logprobs": LogprobsProvider,
 }
 
 

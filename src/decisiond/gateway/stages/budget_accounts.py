@@ -24,7 +24,7 @@ class Lease:
     last_growth: int = 0
     used_at: float = 0.0
     chunk_requests: int = 0
-    # Used since ``tend`` last looked: a lease is idle only when a turn of ``tend`` finds it unused.
+    # Used since ``maintain`` last looked: a lease is idle only when a turn of ``maintain`` finds it unused.
     used: bool = False
     valid_until: float = 0.0
     doubtful: bool = False

@@ -47,7 +47,7 @@ from ...limits import LEASE_CHUNK_REQUESTS, LEASE_IDLE_S, LEASE_PURGE_S
 from ...store.processes import dead_pid, machine, runner_name
 from ..types import Charge
 from .budget_accounts import Lease, Unwritten
-from .budget_ledger import BudgetGone, BudgetView, Hold, Ledger, Local, NoRoom, Reservation, budget_exceeded
+from .budget_ledger import BudgetGone, BudgetView, Hold, Ledger, NoRoom, Pending, Reservation, budget_exceeded
 
 log = logging.getLogger("decisiond.budgets")
 
@@ -82,7 +82,7 @@ class LeaseBook:
         # Charges of this process's requests not yet written by the usage writer; the worst cases carved out of
         # each hold by requests in flight.
         self._unwritten = Unwritten()
-        self._carved: Counter[str] = Counter()
+        self._reserved: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._looked_for_dead = float("-inf")
@@ -90,7 +90,7 @@ class LeaseBook:
             store.listen(self._listed)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._tend(), name="budget-leases")
+        self._task = asyncio.create_task(self._maintain(), name="budget-leases")
         self._spawn(self._release_dead(force=True))
 
     # ----------------------------------------------------------------------------------------------- admission
@@ -103,7 +103,7 @@ class LeaseBook:
         leases = [self._lease(b, b.window(now)[0]) for b in budgets]
         if any(lease.room < amount or not lease.usable(clock) for lease in leases):
             return None
-        return Reservation([self._carve(lease, amount) for lease in leases])
+        return Reservation([self._reserve(lease, amount) for lease in leases])
 
     async def admit(self, budgets: list[BudgetView], amount: int, now: float | None = None) -> Reservation:
         """Carve ``amount`` nano-USD out of this process's lease of every budget's current window, all or none,
@@ -120,7 +120,7 @@ class LeaseBook:
                     if self.store is not None:
                         self.store.forget()
                     continue
-                holds.append(self._carve(lease, amount))
+                holds.append(self._reserve(lease, amount))
         except BaseException:
             for hold in holds:  # all or none
                 self._uncarve(hold, hold.amount)
@@ -141,12 +141,12 @@ class LeaseBook:
             else:
                 await self._grow(lease, amount)
 
-    def _carve(self, lease: Lease, amount: int) -> Hold:
+    def _reserve(self, lease: Lease, amount: int) -> Hold:
         lease.room -= amount
         lease.used_at = self.clock()
         lease.used = True
         if lease.id is not None:
-            self._carved[lease.id] += amount
+            self._reserved[lease.id] += amount
         if amount < lease.last_growth and 4 * lease.room < 3 * lease.last_growth and (
                 lease.growing is None or lease.growing.done()):
             # A lease that grows by chunks (the budget is far from its limit) grows again in the background,
@@ -158,9 +158,9 @@ class LeaseBook:
         """A request's hold ends, ``unused`` of it back to its lease where that lease still has the hold (True)."""
         if hold.lease is None:
             return False
-        self._carved[hold.lease] -= hold.amount
-        if self._carved[hold.lease] <= 0:
-            del self._carved[hold.lease]
+        self._reserved[hold.lease] -= hold.amount
+        if self._reserved[hold.lease] <= 0:
+            del self._reserved[hold.lease]
         lease = self.leases.get((hold.budget_id, hold.window_start))
         if lease is None or lease.id != hold.lease:
             return False
@@ -200,22 +200,22 @@ class LeaseBook:
         """What this process's accounts say ``hold`` has in the ledger: its lease's room, the worst cases requests
         in flight carved out of it, and its charges not written yet (while no call on it is under way)."""
         room = sum(lease.room for lease in self.leases.values() if lease.id == hold)
-        return room + self._carved.get(hold, 0) + self._unwritten.held(hold)
+        return room + self._reserved.get(hold, 0) + self._unwritten.held(hold)
 
-    def local(self, budget: str, start: int) -> Local:
-        """What this process knows of a window that the ledger does not have yet (``budget_ledger.Local``)."""
+    def pending(self, budget: str, start: int) -> Pending:
+        """What this process knows of a window that the ledger does not have yet (``budget_ledger.Pending``)."""
         lease = self.leases.get((budget, start))
         spent, held = self._unwritten.window(budget, start)
         room = lease.room if lease is not None and not lease.doubtful else 0
         explained = {}
         if lease is not None and lease.id is not None:
             explained[lease.id] = room + self._unwritten.held(lease.id)
-        return Local(spent, held + room, explained)
+        return Pending(spent, held + room, explained)
 
-    async def spend(self, budgets: list[BudgetView]) -> list[dict[str, Any]]:
-        """``BudgetStore.spend`` as this process knows it (``local``), read while no write of charges lands."""
+    async def spend_report(self, budgets: list[BudgetView]) -> list[dict[str, Any]]:
+        """``BudgetStore.spend_report`` as this process knows it (``local``), read while no write of charges lands."""
         async with self.settling:
-            views: list[dict[str, Any]] = await self.store.spend(budgets, local=self.local)
+            views: list[dict[str, Any]] = await self.store.spend_report(budgets, pending=self.pending)
         return views
 
     # ---------------------------------------------------------------------------------- the ledger, obeyed
@@ -284,7 +284,7 @@ class LeaseBook:
             if hold is None:
                 lease.drop()
             else:
-                room = amounts[hold] - self._carved.get(hold, 0) - self._unwritten.held(hold)
+                room = amounts[hold] - self._reserved.get(hold, 0) - self._unwritten.held(hold)
                 if room < 0:
                     log.warning("budget hold holds less than this process's requests in flight",
                                 extra={"budget": lease.budget.id, "nanousd": -room})
@@ -317,9 +317,9 @@ class LeaseBook:
                 await asyncio.shield(growing)
 
     def _growth(self, lease: Lease, amount: int, ahead: bool = False) -> asyncio.Future[None]:
-        return self._spawn(self._take(lease, amount, ahead))
+        return self._spawn(self._grow_lease(lease, amount, ahead))
 
-    async def _take(self, lease: Lease, amount: int, ahead: bool = False) -> None:
+    async def _grow_lease(self, lease: Lease, amount: int, ahead: bool = False) -> None:
         """Grow ``lease`` so that it holds ``amount`` (or, ``ahead`` of need, three quarters of its last growth)."""
         async with lease.lock:
             if lease.doubtful:
@@ -363,7 +363,7 @@ class LeaseBook:
             except NoRoom as full:
                 if released or not await self._release_dead(quiet=True):
                     b, now = lease.budget, time.time()
-                    known = self.local(b.id, lease.start)
+                    known = self.pending(b.id, lease.start)
                     raise budget_exceeded(b, full.spent + known.spent, max(0, full.reserved - known.free), amount,
                                           int(b.window(now)[1] - now)) from None
                 released = True
@@ -402,14 +402,14 @@ class LeaseBook:
             # No room, or the database: whoever waits on it finds out; the lease stays doubtful where it must.
             log.debug("budget lease work failed", extra={"error": one_line(error)})
 
-    async def _tend(self) -> None:
-        """``tend`` for as long as the process serves."""
+    async def _maintain(self) -> None:
+        """``maintain`` for as long as the process serves."""
         renewed = purged = self.clock()
         while True:
             await asyncio.sleep(min(LEASE_IDLE_S / 2, self.renew_s))
             try:
                 renew = self.clock() - renewed >= self.renew_s
-                await self.tend(renew=renew)
+                await self.maintain(renew=renew)
                 if renew:
                     renewed = self.clock()
                     await self._release_dead()
@@ -421,7 +421,7 @@ class LeaseBook:
             except Exception as error:  # the database: tried again at the next turn
                 log.warning("budget leases not tended", extra={"error": one_line(error)})
 
-    async def tend(self, now: float | None = None, clock: float | None = None, renew: bool = False) -> None:
+    async def maintain(self, now: float | None = None, clock: float | None = None, renew: bool = False) -> None:
         """Give back the room of leases idle for ``LEASE_IDLE_S`` (``clock``: ``self.clock()``) or of past
         windows (``now``: ``time.time()``), forget leases of past windows once empty, and renew live ones."""
         now = time.time() if now is None else now

@@ -1,5 +1,5 @@
 """The budgets' ledger, as the lease book sees it: a small protocol (``Ledger``) in front of the database, and the
-pure values both sides speak (``BudgetView``, ``Grant``, ``Local``, the windows of a budget, ``NoRoom``).
+pure values both sides speak (``BudgetView``, ``Grant``, ``Pending``, the windows of a budget, ``NoRoom``).
 
 The ledger is what every replica shares: each budget window's ``spent`` (settled costs) and ``reserved`` (room held),
 and the holds on that room, one per lease of a process. Its contract, which every implementation keeps in each
@@ -123,7 +123,7 @@ def budget_exceeded(b: BudgetView, spent: int, reserved: int, amount: int, reset
 
 
 @dataclass
-class Local:
+class Pending:
     """What one process knows of a budget window that the ledger does not have yet: ``spent``, the cost its
     requests settled that the usage writer has not written; ``free``, the room those requests held plus the room its
     leases hold that no request uses; ``explained``, by lease id, how much of the lease's hold that accounts for

@@ -23,7 +23,7 @@ from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
 from ...store.db import Database, aware
 from ...store.tables import Budget, BudgetReservation, BudgetWindow
 from ..settings import BudgetConfig
-from .budget_ledger import BudgetView, Local, budget_id, to_nano
+from .budget_ledger import BudgetView, Pending, budget_id, to_nano
 from .budget_sql import now_ms
 
 
@@ -106,11 +106,11 @@ class BudgetStore:
         self.forget()
         return bool(getattr(result, "rowcount", 0))
 
-    async def spend(self, budgets: list[BudgetView], now: float | None = None,
-                    local: Callable[[str, int], Local] | None = None) -> list[dict[str, Any]]:
+    async def spend_report(self, budgets: list[BudgetView], now: float | None = None,
+                    pending: Callable[[str, int], Pending] | None = None) -> list[dict[str, Any]]:
         """Each budget's public view with its current window's spend and the room held (``reserved_usd``), the holds
         that hold it for requests in flight (``reservations``: leases) and the age of the oldest renewal.
-        ``local(budget id, window start)``: what this process knows better than the ledger yet (``Local``)."""
+        ``pending(budget id, window start)``: what this process knows better than the ledger yet (``Pending``)."""
         out = []
         r, w = BudgetReservation, BudgetWindow
         now = time.time() if now is None else now
@@ -122,7 +122,7 @@ class BudgetStore:
                     select(w.spent, w.reserved, r.id, r.amount, r.created_ms, now_ms(self.db.dialect))
                     .outerjoin(r, (r.budget_id == w.budget_id) & (r.window_start == w.window_start))
                     .where(w.budget_id == b.id, w.window_start == start))).all()
-                known = local(b.id, start) if local else Local()
+                known = pending(b.id, start) if pending else Pending()
                 spent, reserved = (rows[0][0], rows[0][1]) if rows else (0, 0)
                 # Holds that hold something for a request in flight: this process's idle leases left out.
                 held = [row[4] for row in rows if row[2] is not None and row[3] > known.explained.get(row[2], 0)]

@@ -1,0 +1,326 @@
+"""Any served chat LLM as a decision model, through the next-token log-probabilities of its OpenAI-compatible
+routes (vLLM, SGLang, llama.cpp's server, Ollama, TGI, a hosted API).
+
+A decision goes through the same ``engine.decider.Decider`` as the in-process engine's: the same checks, wording,
+option orders, content-free calibration prompts and answers. Only the label log-probabilities come from the server:
+
+- ``api: completions`` (the default): the prompt rendered with ``tokenizer:``'s chat template and sent as token ids
+  to ``/v1/completions`` (one output token, ``temperature: 0``, ``logprobs: k``): the server adds nothing, and text
+  in the user's content that spells a control token stays text;
+- ``api: chat``: the rendered question as the user message of ``/v1/chat/completions`` (``logprobs``,
+  ``top_logprobs``): the server's template applies and the answer is the first token; the request's images go as
+  chat image parts. Labels are found by their token ids with a ``tokenizer:``, else by their text.
+
+Each prompt is one request (one more, restricted to the labels, where a label is not among the top ``k``:
+``engine.served``); a decision's prompts go out concurrently, at most ``logprobs.concurrency`` at a time, and share
+the input, which the server's prefix cache (vLLM's and SGLang's automatic prefix caching, llama.cpp's slots) computes
+once. A server that cannot be reached, a reply without log-probabilities or a label the server cannot score is a
+provider failure (502, failover), named with the option and the reason; never an answer made up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ...canonical import DecisionRequest, DecisionResult, Image, Question, Usage
+from ...dialects import completions as wire
+from ...engine import served
+from ...engine.assembly import Prepared
+from ...engine.bounds import max_token_chars
+from ...engine.decider import Decider, Scoring
+from ...engine.plain_prompt import PlainPrompter
+from ...engine.prefix_cache import Lru
+from ...engine.prompt import PROMPT_FORMAT_VERSION, ChatPrompter
+from ...errors import DecisionError, InvalidRequest, ProviderError, provider_error, refused
+from ...limits import SERVED_TIMEOUT_S
+from ..settings import Limits, ProviderConfig
+from .base import HttpProvider
+
+T = TypeVar("T")
+# Decisions of the served models of one provider (one Decider each, so that calibration priors stay per model).
+UPSTREAM_ENTRIES = 64
+# No context length known for the tokenizer: the server refuses what does not fit its own.
+UNBOUNDED_CONTEXT = 1 << 30
+
+
+@dataclass
+class Read:
+    """The label log-probabilities of one prompt; ``exact``: full-vocabulary values (else shifted by a constant)."""
+
+    logprobs: list[float]
+    exact: bool
+    usage: Usage
+
+
+class LogprobsProvider(HttpProvider):
+    format = "logprobs"
+    capabilities = frozenset({"decisions", "images", "engine_options"})
+
+    def __init__(self, config: ProviderConfig, tokenizer: Any = None, name: str = "",
+                 context_length: int | None = None):
+        if "timeout" not in config.model_fields_set:
+            config = config.model_copy(update={"timeout": SERVED_TIMEOUT_S})
+        super().__init__(config)
+        self.tokenizer = tokenizer
+        self.options = config.logprobs
+        self.chat = config.api == "chat"
+        self.model_name = name or config.name
+        self.context_length = context_length or UNBOUNDED_CONTEXT
+        self._deciders: Lru[Decider] = Lru(UPSTREAM_ENTRIES)
+        # Learned from a reply: this server reads its log-probabilities before it restricts the answer (llama.cpp's,
+        # vLLM's default), so a restricted read brings no label in and is not sent again.
+        self._restriction_ignored = False
+        self.decider("")  # the config's order and calibrate checked now, not at the first request
+
+    @classmethod
+    def from_config(cls, config: ProviderConfig, engines: Mapping[str, Any]) -> "LogprobsProvider":
+        if not config.tokenizer:
+            return cls(config)
+        from ...engine.model import load_tokenizer  # transformers: only where a tokenizer is named
+
+        loaded = load_tokenizer(config.tokenizer)
+        return cls(config, loaded.tokenizer, loaded.name, loaded.context_length)
+
+    @classmethod
+    def check_config(cls, config: ProviderConfig) -> None:
+        super().check_config(config)
+        if config.api == "completions" and not config.tokenizer:
+            raise ValueError(f"provider {config.name!r} (logprobs, api: completions) needs a tokenizer (default, a "
+                             "folder, a .gguf or a hub id): decisiond renders the prompt itself")
+        if config.calibration:
+            raise ValueError(f"provider {config.name!r} (logprobs): calibration profiles are fitted on a local model; "
+                             "a served model learns its profiles from labels (POST /admin/learn)")
+
+    @classmethod
+    def images_by_default(cls, config: ProviderConfig) -> bool:
+        return config.api == "chat"
+
+    def decider(self, upstream: str) -> Decider:
+        """The Decider of one served model (made on first use)."""
+        def make() -> Decider:
+            prompter = ChatPrompter(self.tokenizer, self.context_length) if self.tokenizer is not None \
+                else PlainPrompter()
+            token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else None
+            return Decider(upstream or self.model_name, prompter, self.context_length, token_chars,
+                           self.config.order, self.config.calibrate, reads_images=self.chat)
+
+        return self._deciders.get_or_make(upstream, make)
+
+    @property
+    def limits(self) -> Limits:
+        """A question has at most ``top_logprobs`` options or levels: more could not all be read from one reply."""
+        own = super().limits
+        k = self.options.top_logprobs
+        return own.model_copy(update={"max_choices": min(own.max_choices or k, k),
+                                      "max_levels": min(own.max_levels or k, k)})
+
+    def unsupported(self, request: DecisionRequest) -> DecisionError | None:
+        if request.return_prompt_token_ids and self.tokenizer is None:
+            return InvalidRequest(f"return_prompt_token_ids needs the model's tokenizer, which provider {self.name!r} "
+                                  "has not (tokenizer: in its config)", ("return_prompt_token_ids",),
+                                  code="unsupported_parameter")
+        return super().unsupported(request)
+
+    def cache_identity(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "api": self.config.api, "tokenizer": self.config.tokenizer,
+                "order": self.config.order, "calibrate": self.config.calibrate,
+                "prompt_format_version": PROMPT_FORMAT_VERSION, **self.options.model_dump()}
+
+    async def input_tokens(self, request: DecisionRequest) -> int | None:
+        if self.tokenizer is None:
+            return None
+        prepared = await asyncio.to_thread(self.decider("").prepare, request)
+        return sum(len(v.prompt.ids) for q in prepared.questions for v in q.variants)
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        if self.tokenizer is None:
+            return super().detokenize(ids)
+        return str(self.tokenizer.decode(list(ids)))
+
+    # ------------------------------------------------------------------------------------------ answering
+
+    async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
+        decider = self.decider(upstream)
+        prepared, scorings, pending = await asyncio.to_thread(self._prepare, decider, request)
+        kwargs = decider.prompter.template_kwargs(request.chat_template_kwargs) if self.chat else {}
+        images = request.images()
+        reads = await _bounded([self._read(s, upstream, images, kwargs) for s in scorings],
+                               self.options.concurrency)
+        answers = decider.answers(request, prepared, decider.evidence_of(prepared, pending,
+                                                                          [r.logprobs for r in reads]))
+        inexact = {id(s.question) for s, r in zip(scorings, reads) if not r.exact and not s.prior}
+        for q, answer in zip(prepared.questions, answers):
+            if id(q) in inexact:
+                answer.label_mass = None  # the labels' share of the mass was not in the replies
+        usage = Usage()
+        for r in reads:
+            usage = _added(usage, r.usage)
+        return DecisionResult(upstream, answers, usage, PROMPT_FORMAT_VERSION, self.format)
+
+    def _prepare(self, decider: Decider, request: DecisionRequest) -> tuple[Prepared, list[Scoring], list[str]]:
+        """The request prepared and its prompts; a prompt sent as text must tokenize, at the server, into the ids
+        decisiond rendered: an input that spells control tokens (``<|im_start|>``…) would not, and is refused."""
+        prepared = decider.prepare(request)
+        scorings, pending = decider.prompts(prepared)
+        if not self.chat and self.options.prompt == "text":
+            encode = decider.prompter.prompt_ids.encode if isinstance(decider.prompter, ChatPrompter) else None
+            for scoring in scorings:
+                if encode is not None and encode(scoring.prompt.text) != scoring.prompt.ids:
+                    raise refused(f"the request's text spells the model's control tokens, which provider "
+                                  f"{self.name!r} would send as control tokens (it sends prompts as text: "
+                                  "logprobs.prompt: text; ids keeps them text)", "input", code="unsupported_input")
+        return prepared, scorings, pending
+
+    def _tokens(self, scoring: Scoring) -> list[served.LabelToken]:
+        labels, ids = scoring.variant.labels, scoring.prompt.label_ids
+        if not ids:
+            return [served.LabelToken(label) for label in labels]
+        return [served.LabelToken(label, i, self.tokenizer.decode([i])) for label, i in zip(labels, ids)]
+
+    async def _read(self, scoring: Scoring, upstream: str, images: list[Image],
+                    kwargs: dict[str, Any]) -> Read:
+        """One prompt's label log-probabilities: a plain read of the top ``k``; where a label is not in it, a read
+        restricted to the labels (not where this server proved to report log-probabilities before its restriction),
+        then a plain read of the top ``widen_to``."""
+        tokens, k, wide = self._tokens(scoring), self.options.top_logprobs, self.options.widen_to
+
+        async def ask(restrict: dict[str, Any], count: int, what: str) -> tuple[list[float | None], Usage]:
+            reply = await self._ask(scoring, upstream, images, kwargs, restrict, count, found, what)
+            return served.read_labels(reply.candidates, tokens), reply.usage
+
+        found: list[float | None] = []
+        found, usage = await ask({}, k, "")
+        if served.complete(found):
+            return Read([v for v in found if v is not None], True, usage)
+        fallback: tuple[list[float], bool] | None = None
+        restrict = wire.restriction(self.options.restrict, scoring.prompt.label_ids)
+        if restrict and not self._restriction_ignored:
+            got, more = await ask(restrict, k, "restricted to the labels (" + ", ".join(restrict) + ")")
+            usage = _added(usage, more)
+            if not any(g is not None and f is None for f, g in zip(found, got)):
+                self._restriction_ignored = True  # its log-probabilities are read before it restricts the answer
+            else:
+                try:
+                    fallback = served.combine(found, got)
+                except served.Unscored as e:
+                    raise self._unscored(scoring, e.index, e.reason) from None
+                if fallback[1] or wide <= k:
+                    return Read(fallback[0], fallback[1], usage)
+        if wide > k:
+            try:
+                widened, more = await ask({}, wide, f"of the top {wide}")
+            except ProviderError:
+                if fallback is None:
+                    raise
+                return Read(fallback[0], False, usage)  # the widened read was for the mass alone
+            usage = _added(usage, more)
+            if served.complete(widened):
+                return Read([v for v in widened if v is not None], True, usage)
+            found = [w if w is not None else f for f, w in zip(found, widened)]
+        if fallback is not None:  # exact probabilities among the labels; their share of the mass unknown
+            return Read(fallback[0], False, usage)
+        missing = next(i for i, v in enumerate(found) if v is None)
+        why = "no tokenizer gives the labels' token ids" if not scoring.prompt.label_ids else \
+            "restrict: none" if not restrict else "the server reports log-probabilities before it restricts the answer"
+        raise self._unscored(scoring, missing, f"it is not among the server's top {max(k, wide)} log-probabilities, "
+                                               f"and the answer cannot be restricted to the labels ({why})")
+
+    async def _ask(self, scoring: Scoring, upstream: str, images: list[Image], kwargs: dict[str, Any],
+                   restrict: dict[str, Any], k: int, found: list[float | None], what: str) -> wire.Reply:
+        """One request for ``scoring``'s answer position; ``what`` names a read beyond the plain one, which a server
+        that refuses it (a 4xx) fails for the first label ``found`` lacks."""
+        shown = [] if scoring.prior else images
+        if self.chat:
+            body = wire.chat_body(upstream, scoring.prompt.content, shown, k, restrict, kwargs)
+        else:
+            prompt = scoring.prompt.ids if self.options.prompt == "ids" else scoring.prompt.text
+            body = wire.completion_body(upstream, prompt, k, restrict)
+        route = "chat/completions" if self.chat else "completions"
+        auth = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        try:
+            data = await self.post(f"{self.base_url}/{route}", auth, json=body)
+        except ProviderError as error:
+            if error.failover or error.status in (401, 403, 404):
+                raise
+            if what:  # a read the server refuses (a model without logit_bias, more log-probabilities than it gives)
+                missing = next(i for i, v in enumerate(found) if v is None)
+                raise self._unscored(scoring, missing, f"the server refused the read {what}: {error.message}") \
+                    from None
+            if shown:
+                raise self._refused_images(shown, error) from None
+            raise
+        try:
+            reply = wire.read_reply(data)
+        except wire.NoLogprobs as e:
+            raise provider_error(self.name, 502, f"provider {self.name!r} answered without log-probabilities ({e}); "
+                                 "the server must support logprobs on its /v1/" + route + " route",
+                                 code="upstream_no_logprobs") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise provider_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",
+                                 code="upstream_invalid_response") from None
+        counted, ours = reply.usage.input_tokens, len(scoring.prompt.ids)
+        if not self.chat and self.options.prompt == "text" and counted and counted != ours:
+            raise provider_error(self.name, 502, f"provider {self.name!r} tokenized the prompt into {counted} tokens "
+                                 f"where decisiond rendered {ours}, so its answer position is not decisiond's (a "
+                                 "server that adds a BOS to text prompts takes logprobs.prompt: ids)",
+                                 code="upstream_prompt_mismatch")
+        return reply
+
+    def _unscored(self, scoring: Scoring, index: int, reason: str) -> ProviderError:
+        """The failure to score one label, naming its option (by its name and, as the error's path, its field)."""
+        question = scoring.question.question
+        candidate = scoring.variant.order[index]
+        name, path = _candidate(question, candidate)
+        label = scoring.variant.labels[index]
+        where = " (on a content-free calibration input)" if scoring.prior else ""
+        error = provider_error(self.name, 502, f"provider {self.name!r} could not score option {name!r} of question "
+                               f"{question.name or question.source!r} (label {label!r}){where}: {reason}",
+                               code="upstream_label_unscored")
+        error.path = path
+        return error
+
+    def _refused_images(self, images: list[Image], error: ProviderError) -> ProviderError:
+        """A server that refuses the request's images: a provider failure naming the first image part (another
+        target of the chain may read images)."""
+        refused = provider_error(self.name, 502, f"provider {self.name!r} refused the request with its images (the "
+                                 f"first at {'.'.join(map(str, images[0].source)) or 'input'}): {error.message}",
+                                 code="upstream_refused_image")
+        refused.path = images[0].source
+        return refused
+
+
+def _candidate(question: Question, index: int) -> tuple[str, tuple[str | int, ...]]:
+    if question.kind == "choice":
+        option = question.options[index]
+        return option.name, option.source
+    if question.kind == "score":
+        level = question.levels[index]
+        return str(level.label), level.source
+    return ("yes", "no")[index], question.source
+
+
+def _added(a: Usage, b: Usage) -> Usage:
+    return Usage(input_tokens=a.input_tokens + b.input_tokens, cached_tokens=a.cached_tokens + b.cached_tokens,
+                 output_tokens=a.output_tokens + b.output_tokens)
+
+
+async def _bounded(calls: Sequence[Awaitable[T]], limit: int) -> list[T]:
+    """Every call's result in order, at most ``limit`` running at once; the first failure cancels the others."""
+    gate = asyncio.Semaphore(limit)
+
+    async def run(call: Awaitable[T]) -> T:
+        async with gate:
+            return await call
+
+    tasks = [asyncio.ensure_future(run(c)) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
