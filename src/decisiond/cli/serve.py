@@ -83,11 +83,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     labels = args.metrics_question_labels
     if labels is not None and not 0 <= labels <= MAX_QUESTION_LABELS:
         return refuse(f"--metrics-question-labels must be from 0 to {MAX_QUESTION_LABELS}, not {labels}")
-    if config is None or any(provider.type == "local" for provider in config.providers):
+    if config is None or any(p.type == "local" or p.tokenizer for p in config.providers):
         from ..engine.model import ModelNotFound, require_engine
 
         try:  # a gateway-only install is refused here, once, before a database is opened or a worker forked
-            require_engine()
+            require_engine("a model served here, or a provider's tokenizer,")
         except ModelNotFound as error:
             return refuse(error)
     if args.workers == 1:

@@ -51,10 +51,13 @@ class LoadedModel:
 ENGINE_MODULES = ("torch", "transformers")
 
 
-def require_engine() -> None:
-    """Raise ``ModelNotFound`` naming the ``engine`` extra where this install cannot run a model (torch or
+MODEL_HERE = "a model served here (the embedded default, --model, or a provider of type local)"
+
+
+def require_engine(what: str = MODEL_HERE) -> None:
+    """Raise ``ModelNotFound`` naming the ``engine`` extra where this install cannot run ``what`` (torch or
     transformers missing: a gateway-only install, such as the gateway image); call it before importing
-    ``decisiond.engine.local``, whose imports would fail with a bare ``ImportError``."""
+    ``decisiond.engine.local`` or transformers, whose imports would fail with a bare ``ImportError``."""
     import importlib
 
     for name in ENGINE_MODULES:
@@ -62,9 +65,8 @@ def require_engine() -> None:
             importlib.import_module(name)
         except ImportError as error:
             raise ModelNotFound(
-                f"a model served here (the embedded default, --model, or a provider of type local) needs decisiond's "
-                f"engine, and this install has the gateway only ({name} cannot be imported: {error}): install "
-                f"decisiond[engine], or serve a config whose providers are upstreams") from None
+                f"{what} needs decisiond's engine, and this install has the gateway only ({name} cannot be imported: "
+                f"{error}): install decisiond[engine], or serve a config whose providers are upstreams") from None
 
 
 def cache_root() -> Path:
@@ -160,6 +162,7 @@ class LoadedTokenizer:
 def load_tokenizer(spec: str) -> LoadedTokenizer:
     """The tokenizer ``spec`` names, as ``--model`` does (``default``, a folder, a ``.gguf``, a hub id); a GGUF is
     read in place (its converted folder where ``load`` made one already), never converted for its tokenizer."""
+    require_engine(f"the tokenizer {spec!r} of a logprobs provider")
     from transformers import AutoConfig, AutoTokenizer
 
     source, name = spec, spec
