@@ -223,11 +223,11 @@ class Container:
         self.podman.run("rm", "-f", "-v", self.name, check=False, timeout=120)
 
 
-def start(podman: Podman, image: str, env: dict[str, str], *args: str, volumes: list[str] = ()) -> Container:
+def start(podman: Podman, image: str, env: dict[str, str], *args: str, volumes: list[str] | None = None) -> Container:
     """Run ``image`` detached on the host's network with ``env`` (given with ``--env``: in the container's
     configuration, never in a layer) and ``volumes`` (``-v`` values)."""
     name = f"decisiond-test-{uuid.uuid4().hex[:10]}"
     options = [item for key, value in env.items() for item in ("--env", f"{key}={value}")]
-    options += [item for volume in volumes for item in ("-v", volume)]
+    options += [item for volume in volumes or [] for item in ("-v", volume)]
     podman.run("run", "-d", "--name", name, "--network", "host", *options, image, *args)
     return Container(podman, name)
