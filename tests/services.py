@@ -42,3 +42,28 @@ def start_llamacpp(gguf, threads: int = 2):
     except services.Unavailable as error:
         unavailable(str(error))
         raise
+
+
+def start_chromium(*args: str):
+    """A headless Chromium driven by selenium (Debian ``chromium`` + ``chromium-driver``), with ``args``; skipped
+    where it is not installed or does not start (failed under ``CI=true``). The caller quits it."""
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        unavailable("chromium and chromedriver are not installed (Debian packages chromium, chromium-driver)")
+    from selenium import webdriver
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--no-first-run", *args):
+        options.add_argument(arg)
+    try:
+        return webdriver.Chrome(service=Service(driver_path), options=options)
+    except WebDriverException as error:
+        unavailable(f"headless Chromium did not start: {error.msg}")
+        raise

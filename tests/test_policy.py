@@ -351,7 +351,10 @@ def test_a_token_id_score_prompt_is_guarded_by_its_text(gateway, tokenizer):
 
 # ------------------------------------------------------------------------------------------- open surfaces
 
-OPEN = {("GET", "/"), ("GET", "/playground"), ("GET", "/static/{name}"), ("GET", "/health")}
+OPEN = {("GET", "/"), ("GET", "/playground"), ("GET", "/static/{name}"), ("GET", "/health"),
+        # the console's page and its sign-in steps (docs/guides/console.md): no data without a session
+        ("GET", "/console"), ("GET", "/console/session"), ("GET", "/console/oidc/start"),
+        ("GET", "/console/oidc/callback")}
 
 
 def _routes(routes) -> list[tuple[str, set[str]]]:

@@ -295,6 +295,18 @@ class DecisionStore:
             rows = (await session.execute(query.order_by(StoredDecision.time.desc()).limit(limit))).all()
         return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
 
+    async def timed(self, model: str, since: datetime | None, limit: int
+                    ) -> list[tuple[datetime, list[dict[str, Any]], list[Any], dict[str, Any]]]:
+        """The newest ``limit`` labelled decisions of ``model`` asked from ``since``: (the time it was asked,
+        questions, answers, labels) each, oldest first."""
+        query = select(StoredDecision.time, StoredDecision.questions, StoredDecision.answers, StoredDecision.labels
+                       ).where(StoredDecision.model == model, StoredDecision.labelled_at.is_not(None))
+        if since is not None:
+            query = query.where(StoredDecision.time >= since)
+        async with self.db.session() as session:
+            rows = (await session.execute(query.order_by(StoredDecision.time.desc()).limit(limit))).all()
+        return [(_aware(r[0]), r[1], r[2], r[3]) for r in reversed(rows)]
+
     async def labelled(self, model: str, limit: int) -> list[tuple[list[dict[str, Any]], list[Any], dict[str, Any]]]:
         """The newest ``limit`` labelled decisions of ``model``: (questions, answers, labels) each."""
         async with self.db.session() as session:
@@ -317,6 +329,10 @@ def insert_rows(connection: Connection, stored: list[dict[str, Any]]) -> None:
              if s["request_id"] not in there]
     if fresh:
         connection.execute(insert(StoredDecision), fresh)
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
 
 
 def _time(value: Any) -> datetime:

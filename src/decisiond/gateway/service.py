@@ -82,6 +82,9 @@ class Gateway:
             check_redis_url(redis_url)
         except ValueError as error:
             raise ConfigError(f"{redis_setting}: {error}") from None
+        if config.console.oidc is not None and not (config.console.session_secret or self.master_key):
+            raise ConfigError("console.oidc: single sign-on needs console.session_secret (or a master key) to sign "
+                              "the console's sessions")
         self.auth = Authenticator(self.master_key, config.auth.keys)
         self.limiter = RateLimiter(
             redis_url, config.rate_limits,

@@ -31,6 +31,7 @@ from ..limits import (
     PROFILE_REFRESH_S,
 )
 from .batch_settings import BatchesConfig
+from .console_settings import ConsoleConfig
 from .logprobs_settings import LogprobsOptions
 from .pricing import Pricing
 from .virtual import VirtualModelConfig, check_chains
@@ -507,6 +508,8 @@ class GatewayConfig(BaseModel):
     once."""
     learning: LearningConfig = Field(default_factory=LearningConfig)
     """Learned profiles: how often each replica reads the active ones."""
+    console: ConsoleConfig = Field(default_factory=ConsoleConfig)
+    """The operator's console (``/console``): its sessions and single sign-on with OpenID Connect."""
     default_model: str | None = None
     """The model that answers System One and SGLang requests whose model name is unknown (their APIs accept any name);
     defaults to the first local provider's model.

@@ -167,6 +167,29 @@ async def daily(db: Database, group_by: list[str], where: UsageFilter) -> list[d
     return [_row(r, ["date", *group_by]) for r in rows]
 
 
+# The buckets of ``series``: their length in seconds, the SQLite ``strftime`` and PostgreSQL ``to_char`` formats
+# of their start.
+BUCKETS = {"minute": (60, "%Y-%m-%dT%H:%M:00Z", 'YYYY-MM-DD"T"HH24:MI:00"Z"'),
+           "hour": (3600, "%Y-%m-%dT%H:00:00Z", 'YYYY-MM-DD"T"HH24:00:00"Z"'),
+           "day": (86400, "%Y-%m-%dT00:00:00Z", 'YYYY-MM-DD"T"00:00:00"Z"')}
+
+
+async def series(db: Database, bucket: str, group_by: list[str], where: UsageFilter,
+                 limit: int) -> list[dict[str, Any]]:
+    """Totals per time bucket (``BUCKETS``: its UTC start as ``bucket``, ISO) and ``group_by``, oldest first, at most
+    ``limit`` rows."""
+    _, sqlite_format, pg_format = BUCKETS[bucket]
+    if db.dialect == "postgresql":
+        start = func.to_char(func.timezone("UTC", UsageRow.time), pg_format)
+    else:  # SQLite keeps UTC times as text
+        start = func.strftime(sqlite_format, UsageRow.time)
+    columns = [start.label("bucket")] + [getattr(UsageRow, GROUPS[g]).label(g) for g in group_by]
+    query = select(*columns, *_totals()).where(*where.where()).group_by(*columns).order_by(*columns).limit(limit)
+    async with db.session() as session:
+        rows = (await session.execute(query)).all()
+    return [_row(r, ["bucket", *group_by]) for r in rows]
+
+
 AUDIT_FIELDS = [c for c in UsageRow.__table__.columns.keys() if c not in ("day",)]
 
 

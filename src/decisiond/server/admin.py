@@ -1,4 +1,4 @@
-"""The admin API (master key only), in OpenAI's error shape:
+"""The admin API (the master key, or a console session: ``console_session.admin_caller``), in OpenAI's error shape:
 
 - ``POST /admin/keys`` ``{name, user_path?, models?, rate_limits?, guardrails?, expires_at? | expires_in_seconds?}``
   → 201 with the key's record and, this once, its secret ``key`` (``guardrails``: names of configured guardrails,
@@ -42,13 +42,13 @@ from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
 from ..gateway import decisions, profile_learning, profile_store, usage
 from ..gateway.service import Gateway
 from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
-from ..gateway.stages.auth import Authenticator
 from ..gateway.stages.budget_ledger import BudgetView
 from ..gateway.stages.budget_store import BudgetStore
 from ..gateway.types import Caller
 from ..limits import AUDIT_PAGE_MAX, QUALITY_DECISIONS_MAX
 from ..store.db import Database
 from ..store.keys import KeyStore
+from .console_session import admin_caller
 from .payload import read_payload
 from .routes import openai_error
 
@@ -96,8 +96,7 @@ class KeyCreate(StrictModel):
 
 async def _store(request: Request) -> KeyStore:
     gateway: Gateway = request.app.state.gateway
-    caller = await gateway.auth.authenticate(request.headers)
-    Authenticator.require_master(caller)
+    await admin_caller(request)
     if gateway.keys is None:
         raise Unavailable("managed keys need a database; none is open", code="no_database")
     return gateway.keys
@@ -147,10 +146,9 @@ async def revoke_key(request: Request, key_id: str) -> Any:
 
 
 async def _master_db(request: Request) -> tuple[Database, BudgetStore]:
-    """The database and its budgets, for the master key only."""
+    """The database and its budgets, for the master key (or a console session) only."""
     gateway: Gateway = request.app.state.gateway
-    caller = await gateway.auth.authenticate(request.headers)
-    Authenticator.require_master(caller)
+    await admin_caller(request)
     if gateway.db is None or gateway.budgets is None:
         raise Unavailable("usage, audit and budgets need the gateway's database; none is open", code="no_database")
     return gateway.db, gateway.budgets
@@ -302,8 +300,9 @@ async def own_usage(request: Request) -> Any:
         return openai_error(Unavailable("usage is unavailable: the database cannot be reached", code="no_database"))
     return out
 async def _master(request: Request) -> Gateway:
+    """The gateway, for the master key (or a console session) only."""
+    await admin_caller(request)
     gateway: Gateway = request.app.state.gateway
-    Authenticator.require_master(await gateway.auth.authenticate(request.headers))
     return gateway
 
 

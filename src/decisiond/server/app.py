@@ -1,6 +1,7 @@
 """The FastAPI app: ``create_app`` assembles the decision routes (``routes``), the small GET routes (``pages``),
-admin, chat, the Files and Batch APIs (``batch_api``, run by ``batch_runner``) and MCP behind the request
-middleware (``middleware``), and owns the app's lifespan; ``Settings`` are the server's body limits."""
+admin (``admin``, ``admin_views``), the operator's console (``console``), chat, the Files and Batch APIs
+(``batch_api``, run by ``batch_runner``) and MCP behind the request middleware (``middleware``), and owns the app's
+lifespan; ``Settings`` are the server's body limits."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from ..gateway.service import Gateway
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..store.batches import BatchStore, default_folder
 from ..version import __version__
-from . import admin, batch_api, chat, labels, pages
+from . import admin, admin_views, batch_api, chat, console, labels, pages
 from . import mcp as mcp_server
 from .batch_runner import BatchRunner
+from .console_oidc import OidcClient
+from .console_session import Sessions, SignInLimiter
 from .guard import AccessGuard
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import RequestContext
@@ -52,6 +55,8 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
         finally:
             if runner is not None:
                 await runner.aclose()  # lines in flight finish or stop; the batches' leases are given back
+            if app.state.console_oidc is not None:
+                await app.state.console_oidc.aclose()
             await gateway.aclose()  # upstream connection pools, Redis, the database
 
     app = App(title="decisiond", version=__version__, lifespan=lifespan)
@@ -60,6 +65,10 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
     app.state.settings = settings
     app.state.batches = None  # the Batch API's runner, once the gateway's database is open
     app.state.metrics = metrics = Metrics(router, gateway)
+    console_config = gateway.config.console
+    app.state.console_sessions = Sessions.of(console_config, gateway.master_key)
+    app.state.console_limiter = SignInLimiter(console_config.sign_in_failures_per_minute)
+    app.state.console_oidc = OidcClient(console_config.oidc) if console_config.oidc is not None else None
     app.add_middleware(AccessGuard)  # innermost of the three: its refusals are counted and logged
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # inside RequestContext: it reads the access fields
     app.add_middleware(RequestContext, tracer=gateway.tracer)
@@ -68,6 +77,8 @@ def create_app(router: Router, settings: Settings | None = None, gateway: Gatewa
                                              gateway.tracer) for route in ROUTES}
     app.include_router(pages.router)
     app.include_router(admin.router)
+    app.include_router(admin_views.router)
+    app.include_router(console.router)
     app.include_router(chat.router)
     app.include_router(admin.self_service)
     app.include_router(batch_api.router)

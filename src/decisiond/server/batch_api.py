@@ -470,11 +470,17 @@ async def get_batch(request: Request, batch_id: str) -> JSONResponse:
 async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
     try:
         runner, row = await _owned_batch(request, batch_id)
-        if row.status not in ("validating", "in_progress", "cancelling"):
-            raise InvalidRequest(f"a batch that is {row.status} cannot be cancelled", ("batch_id",),
-                                 code="batch_not_cancellable", status=409)
-        row = await runner.store.cancel(batch_id, int(runner.clock())) or row
+        row = await cancel(runner, row)
     except DecisionError as error:
         return openai_error(error)
-    runner.wake()
     return JSONResponse(batch_object(row))
+
+
+async def cancel(runner: BatchRunner, row: BatchJob) -> BatchJob:
+    """Cancel a batch that has not ended (``cancelling``, its runner woken to stop it); 409 for one that has."""
+    if row.status not in ("validating", "in_progress", "cancelling"):
+        raise InvalidRequest(f"a batch that is {row.status} cannot be cancelled", ("batch_id",),
+                             code="batch_not_cancellable", status=409)
+    row = await runner.store.cancel(row.id, int(runner.clock())) or row
+    runner.wake()
+    return row

@@ -1,5 +1,7 @@
 """The small GET routes: the model list (``/v1/models``), ``/health``, Prometheus ``/metrics``, and the playground
-(``/``, ``/playground``, ``/static/{name}``), whose files ship in the package (``web/``): no build step, no CDN."""
+(``/``, ``/playground``, ``/static/{name}``), whose files ship in the package (``web/``): no build step, no CDN.
+``/static/`` serves the console's files too (``console``), and uPlot, vendored with its licence
+(``web/uplot.LICENSE``)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ router = APIRouter()
 
 # The playground's files, shipped in the package (web/).
 WEB_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
-             "playground.css": "text/css; charset=utf-8"}
+             "playground.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8",
+             "console.css": "text/css; charset=utf-8", "uplot.iife.min.js": "text/javascript; charset=utf-8",
+             "uplot.min.css": "text/css; charset=utf-8"}
 
 
-def _web_file(name: str) -> bytes:
+def web_file(name: str) -> bytes:
+    """A file of the package's ``web/`` folder."""
     return files("decisiond").joinpath("web", name).read_bytes()
 
 
@@ -68,7 +73,7 @@ async def health(request: Request) -> dict[str, Any]:
 @router.get("/playground", include_in_schema=False)
 async def playground() -> Response:
     """The playground page (``web/``): it calls /v1/decisions with the key the user types."""
-    return Response(_web_file("index.html"), media_type="text/html; charset=utf-8")
+    return Response(web_file("index.html"), media_type="text/html; charset=utf-8")
 
 
 @router.get("/static/{name}", include_in_schema=False)
@@ -76,8 +81,8 @@ async def static(name: str) -> Response:
     if name not in WEB_FILES:
         return JSONResponse({"error": {"message": "Not found.", "type": "not_found_error", "param": None,
                                        "code": "not_found"}}, status_code=404)
-    return Response(_web_file(name), media_type=WEB_FILES[name],
-                    headers={"cache-control": "no-cache"})
+    return Response(web_file(name), media_type=WEB_FILES[name],
+                    headers={"cache-control": "no-cache", "x-content-type-options": "nosniff"})
 
 
 @router.get("/metrics")
