@@ -9,9 +9,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # starts), or OpenMP threads spinning on each other's cores make every model test several times slower.
     os.environ["OMP_NUM_THREADS"] = "1"
 
+import atexit  # noqa: E402
 import inspect  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+# Every server keeps its state in a database: without a database_url, the default SQLite file in the data directory.
+# Each test process (each xdist worker, and the decisiond processes it starts) gets a data directory of its own,
+# never the user's, where servers that name none share it as servers of one host do.
+os.environ["DECISIOND_DATA_DIR"] = _DATA_DIR = tempfile.mkdtemp(prefix="decisiond-data-")
+atexit.register(shutil.rmtree, _DATA_DIR, ignore_errors=True)
 
 import pytest  # noqa: E402
 from servers import start_decisiond, warm  # noqa: E402
@@ -79,20 +87,25 @@ def pytest_collection_modifyitems(config, items):
     schedule(items)
 
 
+# Files that run as long as the SmolLM2 group (the images' builds): started as early, so that none starts last.
+LONGEST_FILES = {"test_container.py"}
+
+
 def schedule(items) -> None:
     """xdist (``--dist loadgroup``) keeps a group on one worker: each test file is a group, so that its module
     fixtures start once, except that every file using the real SmolLM2 server shares one group, so that only one
     worker starts that server. Files that start no process go first (they run while the forkserver of
-    ``tests/servers.py`` does its imports), then the SmolLM2 group, the longest, then files with slow tests, so that
-    no long file starts last and leaves one worker running alone."""
+    ``tests/servers.py`` does its imports), then the SmolLM2 group and the images' builds, the longest, then files with
+    slow tests, so that no long file starts last and leaves one worker running alone."""
     files_on_server = {item.path for item in items if REAL_MODEL_SERVER & set(item.fixturenames)}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     in_process = {item.path for item in items} - {item.path for item in items if starts_processes(item)}
     for item in items:
         item.add_marker(pytest.mark.xdist_group("smollm-server" if item.path in files_on_server else
                                                 item.path.name))
-    items.sort(key=lambda item: 0 if item.path in in_process else 1 if item.path in files_on_server else
-               2 if item.path in slow_files else 3)
+    items.sort(key=lambda item: 0 if item.path in in_process else
+               1 if item.path in files_on_server or item.path.name in LONGEST_FILES else 2 if item.path in slow_files
+               else 3)
 
 
 def starts_processes(item) -> bool:

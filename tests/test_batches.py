@@ -544,10 +544,10 @@ def _metric(server, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def local_server(tiny_dir, tmp_path_factory):
-    """The tiny random model served with a database (the Batch API needs one), without keys."""
-    database = tmp_path_factory.mktemp("local") / "local.sqlite3"
+    """The tiny random model served with no config and no keys: the Batch API keeps its rows in the default SQLite
+    file of the server's own data directory."""
     server = start_decisiond("--model", tiny_dir, "--served-model-name", "tiny",
-                             env={"DECISIOND_DATABASE_URL": f"sqlite:///{database}"})
+                             env={"DECISIOND_DATA_DIR": str(tmp_path_factory.mktemp("local"))})
     yield server
     server.stop()
 

@@ -31,9 +31,10 @@ FLOORS = {
 
 
 def requirements() -> dict[str, Requirement]:
+    """The base install's requirements (the gateway) and the engine extra's (a model served here)."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     out = {}
-    for line in project["dependencies"]:
+    for line in project["dependencies"] + project["optional-dependencies"]["engine"]:
         requirement = Requirement(line)
         out[requirement.name.lower()] = requirement
     return out

@@ -1,7 +1,7 @@
 """``decisiond serve --workers 2``: two processes on one port, sharing what replicas share. Forty requests at once are
 all answered and all charged once to one budget; a rate limit holds across the workers without Redis (each counts
-its part of it); ``/metrics`` adds up both workers whichever answers the scrape; a worker killed is started again;
-SIGTERM stops them all."""
+its part of it); ``/metrics`` adds up both workers whichever answers the scrape, and each scrape reports the label
+quality gauges; a worker killed is started again; SIGTERM stops them all."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ database_url: "${{TEST_DB}}"
 providers:
   - {{name: up, type: openai, base_url: "${{UP}}/v1"}}
 models:
-  - {{name: luna, provider: up, upstream: gpt-6-luna, pricing: {{per_request: {PRICE}}}}}
+  - {{name: luna, provider: up, upstream: gpt-6-luna, pricing: {{per_request: {PRICE}}}, store: true}}
 """
 
 
@@ -93,6 +93,24 @@ def test_a_rate_limit_holds_across_workers_without_redis(workers):
         statuses = list(pool.map(lambda _: ask(workers, key["key"]), range(10)))
     # Each worker counts its part (2 and 1): never more than 3 together, whichever worker a request reaches.
     assert statuses.count(200) <= 3 and set(statuses) <= {200, 429}
+
+
+def test_the_label_quality_gauges_are_in_every_scrape(workers):
+    """Read from the database the workers share, so that any worker's scrape reports them (before any other scrape
+    in this module: a worker reads them again at most every 15 s)."""
+    ids = []
+    for n in range(2):
+        answered = httpx.post(workers.url + "/v1/decisions", headers=ADMIN, timeout=60, json={
+            "model": "luna", "input": f"labelled {n}", "questions": [QUESTION]})
+        assert answered.status_code == 200, answered.text
+        ids.append(answered.headers["x-request-id"])
+    for request_id in ids:
+        labelled = httpx.post(f"{workers.url}/v1/decisions/{request_id}/labels", headers=ADMIN, timeout=30,
+                              json={"labels": {"billing": True}})
+        assert labelled.status_code == 200, labelled.text
+    for _ in range(6):
+        text = httpx.get(workers.url + "/metrics", headers=ADMIN, timeout=30).text
+        assert re.search(r'^decisiond_decision_labels\{model="luna",question="billing"\} 2\.0$', text, re.M), text
 
 
 def test_metrics_add_up_every_worker(workers):

@@ -82,8 +82,10 @@ def add_scheduling_args(p: argparse.ArgumentParser) -> None:
 
 def local_engine(args: argparse.Namespace) -> LocalEngine:
     """The model ``--model`` names, loaded here, under the scheduling and quality options the command has."""
-    # Lazy: decisiond.engine imports torch (start-up time).
+    # Lazy: decisiond.engine imports torch (start-up time); a gateway-only install is refused by name first.
     from ..engine import model as model_mod
+
+    model_mod.require_engine()
     from ..engine.local import LocalEngine
 
     options: dict[str, Any] = {}
@@ -182,6 +184,8 @@ def build_router(args: argparse.Namespace, config: GatewayConfig | None = None) 
     for provider in config.providers:
         if provider.type == "local":
             from ..engine import model as model_mod
+
+            model_mod.require_engine()
             from ..engine.local import LocalEngine
 
             profile = load_profile(provider.calibration or args.calibration)  # before the model loads

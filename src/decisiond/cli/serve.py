@@ -21,6 +21,7 @@ from .common import (
     read_inputs,
     refuse,
 )
+from .environment import serve_from_environment
 
 if TYPE_CHECKING:
     from ..gateway.service import Gateway
@@ -33,19 +34,20 @@ STARTUP_FAILURE = 3
 def register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="run the HTTP server")
     add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=None, help="default: $DECISIOND_HOST where set, else 127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default: $DECISIOND_PORT where set, else 8000")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--config", default=None,
-                       help="gateway YAML (providers, models, virtual models); without it, the local model alone")
+                       help="gateway YAML (providers, models, virtual models); default: $DECISIOND_CONFIG where set, "
+                            "else none: the local model alone")
     serve.add_argument("--body-read-timeout", type=float, default=BODY_READ_TIMEOUT_S, metavar="SECONDS",
                        help="408 for a client whose whole body has not arrived by then "
                             f"(default {BODY_READ_TIMEOUT_S:g})")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="serve a non-loopback host although no API key is configured")
-    serve.add_argument("--workers", type=int, default=1, metavar="N",
-                       help="server processes on the one port (default 1): a gateway uses N cores; each worker loads "
-                            "its own copy of a local model")
+    serve.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="server processes on the one port (default: $DECISIOND_WORKERS where set, else 1): a "
+                            "gateway uses N cores; each worker loads its own copy of a local model")
     serve.add_argument("--metrics-question-labels", type=int, default=None, metavar="N",
                        help="question names that get a label of their own in the decision quality metrics of "
                             f"/metrics, per model: the first N seen, the others '_other' (default "
@@ -66,6 +68,7 @@ def register_mcp(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    serve_from_environment(args)  # DECISIOND_CONFIG, DECISIOND_WORKERS where no argument says
     config = read_inputs(args)  # first: a file that cannot be used is refused at once
     # Lazy: the gateway (start-up time).
     from ..gateway.service import Gateway
@@ -80,6 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     labels = args.metrics_question_labels
     if labels is not None and not 0 <= labels <= MAX_QUESTION_LABELS:
         return refuse(f"--metrics-question-labels must be from 0 to {MAX_QUESTION_LABELS}, not {labels}")
+    if config is None or any(p.type == "local" or p.tokenizer for p in config.providers):
+        from ..engine.model import ModelNotFound, require_engine
+
+        try:  # a gateway-only install is refused here, once, before a database is opened or a worker forked
+            require_engine("a model served here, or a provider's tokenizer,")
+        except ModelNotFound as error:
+            return refuse(error)
     if args.workers == 1:
         return _serve_one(args, config)
     # Imported only once the configuration is known to be servable: a refusal above answers at once.

@@ -48,6 +48,27 @@ class LoadedModel:
     release_date: str = ""
 
 
+ENGINE_MODULES = ("torch", "transformers")
+
+
+MODEL_HERE = "a model served here (the embedded default, --model, or a provider of type local)"
+
+
+def require_engine(what: str = MODEL_HERE) -> None:
+    """Raise ``ModelNotFound`` naming the ``engine`` extra where this install cannot run ``what`` (torch or
+    transformers missing: a gateway-only install, such as the gateway image); call it before importing
+    ``decisiond.engine.local`` or transformers, whose imports would fail with a bare ``ImportError``."""
+    import importlib
+
+    for name in ENGINE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ModelNotFound(
+                f"{what} needs decisiond's engine, and this install has the gateway only ({name} cannot be imported: "
+                f"{error}): install decisiond[engine], or serve a config whose providers are upstreams") from None
+
+
 def cache_root() -> Path:
     if os.environ.get("DECISIOND_CACHE_DIR"):
         return Path(os.environ["DECISIOND_CACHE_DIR"])
@@ -141,6 +162,7 @@ class LoadedTokenizer:
 def load_tokenizer(spec: str) -> LoadedTokenizer:
     """The tokenizer ``spec`` names, as ``--model`` does (``default``, a folder, a ``.gguf``, a hub id); a GGUF is
     read in place (its converted folder where ``load`` made one already), never converted for its tokenizer."""
+    require_engine(f"the tokenizer {spec!r} of a logprobs provider")
     from transformers import AutoConfig, AutoTokenizer
 
     source, name = spec, spec
@@ -199,6 +221,7 @@ def check_cpu_dtype(dtype: str) -> None:
 
 def load(spec: str | None = None, dtype: str = "float32", device: str | None = None,
          served_name: str | None = None) -> LoadedModel:
+    require_engine()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -137,39 +137,39 @@ class Gateway:
         """Whether clients will need a key: a master key (config or environment) or static keys."""
         return bool(config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or config.auth.keys)
 
-    @property
-    def needs_database(self) -> bool:
-        return _needs_database(self.master_key, self.database_url, self.config)
-
     async def start(self) -> None:
-        """Open the database (migrated) and the usage journal. A setting that cannot work raises ``ConfigError``
-        naming it and the cause in one line (``decisiond serve`` starts the gateway before it serves, and exits 2 on
-        it); a second call does nothing (the app's lifespan starts it too)."""
+        """Open the database (migrated) and the usage journal: ``database_url`` (or ``DECISIOND_DATABASE_URL``),
+        else the default SQLite file in the data directory (``store.db.default_database_path``), so that every server
+        — the embedded default with no config too — keeps usage, files and batches, budgets, learned profiles and the
+        decisions of models with ``store: true``. A server without keys stays without keys: its key store is never
+        asked. A setting that cannot work raises ``ConfigError`` naming it and the cause in one line (``decisiond
+        serve`` starts the gateway before it serves, and exits 2 on it); a second call does nothing (the app's
+        lifespan starts it too)."""
         if self._started:
             return
         self._started = True
-        if self.needs_database:
-            self.db = await _open_database(self.database_url, self._database_setting)
-            journal = _open_journal(self.config.usage_journal, self.database_url)
-            self.keys = KeyStore(self.db)
-            self.decisions = DecisionStore(self.db)
+        self.db = await _open_database(self.database_url, self._database_setting)
+        journal = _open_journal(self.config.usage_journal, self.database_url)
+        self.keys = KeyStore(self.db)
+        self.decisions = DecisionStore(self.db)
+        if _managed_keys(self.master_key, self.database_url):
             self.auth.store = self.keys
-            self.budgets = BudgetStore(self.db)
-            for budget in self.config.budgets:
-                await self.budgets.put(budget, "config")
-            self.leases = LeaseBook(SqlLedger(self.db, self.config.budget_reservation_ttl_s), self.budgets)
-            await self.budgets.budgets()  # known from the start: a database that goes down later keeps this list
-            self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal, settling=self.leases.settling,
-                                     on_written=self.leases.written, on_dropped=self.leases.dropped)
-            self.leases.replay = self.usage.replay_orphans
-            self.usage.start()
-            self.leases.start()
-            if self.stored_models:
-                self._purger = asyncio.create_task(self._purge_decisions(), name="decisions-purge")
-            self.profiles = ProfileStore(self.db)
-            await self.read_profiles()
-            self._profile_reader = asyncio.create_task(self._read_profiles(), name="profiles-reader")
-            log.info("database ready", extra={"database": self.db.dialect})
+        self.budgets = BudgetStore(self.db)
+        for budget in self.config.budgets:
+            await self.budgets.put(budget, "config")
+        self.leases = LeaseBook(SqlLedger(self.db, self.config.budget_reservation_ttl_s), self.budgets)
+        await self.budgets.budgets()  # known from the start: a database that goes down later keeps this list
+        self.usage = UsageWriter(self.db, self.config.audit.retention_days, journal, settling=self.leases.settling,
+                                 on_written=self.leases.written, on_dropped=self.leases.dropped)
+        self.leases.replay = self.usage.replay_orphans
+        self.usage.start()
+        self.leases.start()
+        if self.stored_models:
+            self._purger = asyncio.create_task(self._purge_decisions(), name="decisions-purge")
+        self.profiles = ProfileStore(self.db)
+        await self.read_profiles()
+        self._profile_reader = asyncio.create_task(self._read_profiles(), name="profiles-reader")
+        log.info("database ready", extra={"database": self.db.dialect})
         if not self.auth.enabled:
             log.warning("no API key is configured: every client that can reach this server may use every model "
                         f"and upstream key; set auth.master_key or {MASTER_KEY_ENV}")
@@ -395,19 +395,17 @@ def _part_id(record_id: str | None, n: int) -> str | None:
     return None if record_id is None else f"{record_id[:30]}{n % 100:02d}"
 
 
-def _needs_database(master_key: str | None, database_url: str | None, config: GatewayConfig) -> bool:
-    """Managed keys exist only with a master key to create them; a database_url or budgets open it regardless.
-    Usage is recorded wherever a database is open."""
-    return master_key is not None or database_url is not None or bool(config.budgets)
+def _managed_keys(master_key: str | None, database_url: str | None) -> bool:
+    """Whether managed keys are honoured: where a master key can make them, or on a database named by
+    ``database_url`` (``decisiond keys create`` makes them there too). On the default SQLite file of a server without a
+    master key, never: a server without keys stays without keys, and one with static keys only takes those."""
+    return master_key is not None or database_url is not None
 
 
 async def prepare(config: GatewayConfig) -> None:
     """What the processes of one server would otherwise race to do as they start (``serve --workers``): migrate the
     database and write the config's budgets, once, before they start. ``ConfigError`` as ``Gateway.start``."""
-    master = config.auth.master_key or os.environ.get(MASTER_KEY_ENV) or None
     url, setting = _setting(config.database_url, "database_url", DATABASE_URL_ENV)
-    if not _needs_database(master, url, config):
-        return
     db = await _open_database(url, setting)
     try:
         store = BudgetStore(db)

@@ -150,8 +150,7 @@ async def _master_db(request: Request) -> tuple[Database, BudgetStore]:
     gateway: Gateway = request.app.state.gateway
     await admin_caller(request)
     if gateway.db is None or gateway.budgets is None:
-        raise Unavailable("usage, audit and budgets need a database; none is open (set database_url or a master "
-                          "key)", code="no_database")
+        raise Unavailable("usage, audit and budgets need the gateway's database; none is open", code="no_database")
     return gateway.db, gateway.budgets
 
 

@@ -13,8 +13,9 @@ over it, an upload is 400 ``file_quota_exceeded``); the files folder and its fil
 (``files_fs``). Files past their ``expires_at`` are deleted by the runner's housekeeping (then 404).
 
 A key sees only the files and batches it made (404 for the others); the master key, or anyone on a server without
-keys, sees all. The batches themselves are run by ``batch_runner``. Both APIs need the gateway's database (400
-without one). Errors are OpenAI-shaped, naming the field at fault.
+keys, sees all. The batches themselves are run by ``batch_runner``. Both APIs keep their rows in the gateway's
+database, which every server opens (``database_url``, else the default SQLite file; 400 in an app whose gateway was
+never started). Errors are OpenAI-shaped, naming the field at fault.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ MULTIPART_OVERHEAD = 64 * 1024
 def _runner(request: Request) -> BatchRunner:
     runner: BatchRunner | None = request.app.state.batches
     if runner is None:
-        raise InvalidRequest("the Files and Batch APIs need a database, and this server has none: set database_url "
-                             "(or a master key, which opens the default SQLite file)", code="batches_unavailable")
+        raise InvalidRequest("the Files and Batch APIs need the gateway's database, which this app has not opened "
+                             "(its lifespan opens it)", code="batches_unavailable")
     return runner
 
 

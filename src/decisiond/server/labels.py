@@ -34,8 +34,8 @@ WRITE_WAIT_S = 3.0
 
 def _store(gateway: Gateway) -> DecisionStore:
     if gateway.decisions is None:
-        raise InvalidRequest("stored decisions need a database, and this server has none: set database_url (or a "
-                             "master key) and store: true on the model", code="decisions_unavailable")
+        raise InvalidRequest("stored decisions need the gateway's database, which this app has not opened (its "
+                             "lifespan opens it)", code="decisions_unavailable")
     return gateway.decisions
 
 

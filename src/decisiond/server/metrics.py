@@ -230,6 +230,8 @@ class Metrics(Observer):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         registry.register(self.engines)  # this worker's own engines
+        if self.label_quality is not None:  # read from the database the workers share: the same in each
+            registry.register(self.label_quality)
         return generate_latest(registry)
 
     def _publish_usage(self) -> None:

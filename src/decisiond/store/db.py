@@ -60,11 +60,23 @@ def sqlite_file(url: str | None) -> Path | None:
     return Path(parsed.database).absolute()
 
 
+def private_sqlite_file(path: Path) -> None:
+    """Make a SQLite file's folder (0700, where it is made here) and the file itself, empty and 0600, before SQLite
+    opens it (an empty file is an empty database; SQLite gives its ``-wal`` and ``-shm`` files the database file's
+    mode), whatever the umask. An existing file is left as it is."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o600))
+    except FileExistsError:  # a database already (or a folder, which SQLite then refuses in its own words)
+        pass
+
+
 def database_url(url: str | None) -> str:
-    """The async SQLAlchemy URL for ``url`` (or the default SQLite file, its folder created)."""
+    """The async SQLAlchemy URL for ``url`` (or the default SQLite file); a SQLite file is made private first
+    (``private_sqlite_file``)."""
     if not url:
         path = default_database_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite_file(path)
         return f"sqlite+aiosqlite:///{path}"
     parsed = make_url(url)
     driver = _DRIVERS.get(parsed.drivername)
@@ -73,7 +85,7 @@ def database_url(url: str | None) -> str:
     if driver is not None:
         parsed = parsed.set(drivername=driver)
     if parsed.drivername.startswith("sqlite") and parsed.database not in (None, "", ":memory:"):
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite_file(Path(parsed.database))
     return parsed.render_as_string(hide_password=False)
 
 
