@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy import select, update
 
 from decisiond.errors import BudgetExceeded
-from decisiond.limits import BUDGET_DB_TIMEOUT_S, DATABASE_IDLE_TRANSACTION_S
 from decisiond.gateway.settings import BudgetConfig
 from decisiond.gateway.stages.budget_leases import LeaseBook
 from decisiond.gateway.stages.budget_sql import SqlLedger, apply_charges
 from decisiond.gateway.stages.budget_store import BudgetStore
+from decisiond.limits import BUDGET_DB_TIMEOUT_S, DATABASE_IDLE_TRANSACTION_S
 from decisiond.store.db import Database
 from decisiond.store.tables import BudgetReservation, BudgetWindow
 

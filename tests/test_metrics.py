@@ -108,3 +108,20 @@ def test_metrics_move_as_requests_are_made(gateway):
 
 def test_metrics_need_the_master_key(gateway):
     assert httpx.get(gateway.url + "/metrics").status_code == 401
+
+
+def test_a_scrape_of_several_workers_skips_a_file_a_worker_has_not_sized_yet(tmp_path):
+    """A worker creates its metrics file before it sizes it: a scrape that finds it at 0 bytes (or finds it so for
+    good, the worker having died in that moment) still reports what every other worker counted."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from decisiond.server.metrics import WorkerFiles
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    written.write_value(mmap_key("decisiond_seen", "decisiond_seen_total", [], [], "Seen"), 3.0, 0.0)
+    written.close()
+    (tmp_path / "counter_102.db").touch()  # a worker's file, not yet sized
+    registry = CollectorRegistry()
+    WorkerFiles(registry, path=str(tmp_path))
+    assert "decisiond_seen_total 3.0" in generate_latest(registry).decode()

@@ -110,7 +110,8 @@ def test_the_label_quality_gauges_are_in_every_scrape(workers):
         assert labelled.status_code == 200, labelled.text
     for _ in range(6):
         text = httpx.get(workers.url + "/metrics", headers=ADMIN, timeout=30).text
-        assert re.search(r'^decisiond_decision_labels\{model="luna",question="billing"\} 2\.0$', text, re.M), text
+        assert re.search(r'^decisiond_decision_labels\{model="luna",question="billing"\} 2\.0$', text, re.M), \
+            text + workers.log()[-4000:]
 
 
 def test_metrics_add_up_every_worker(workers):

@@ -99,7 +99,7 @@ DATABASE_CONNECT_TIMEOUT_S = 10.0
 # PostgreSQL ends a transaction whose process has sent nothing for this long (a process stopped, swapped out or
 # stalled mid-transaction holds its row locks, and every replica's budget check would wait on them past
 # BUDGET_DB_TIMEOUT_S). decisiond's transactions send their statements back to back.
-DATABASE_IDLE_TRANSACTION_S = 1.0
+DATABASE_IDLE_TRANSACTION_S = 2.0
 # A SQLite write transaction (``Database.write``) waits this long in all for the file's write lock, asking for it
 # again every SQLITE_LOCK_POLL_S.
 SQLITE_LOCK_WAIT_S = 5.0

@@ -16,6 +16,7 @@ Grafana: ``docs/grafana-dashboard.json``.
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from collections.abc import Iterable
@@ -228,7 +229,7 @@ class Metrics(Observer):
             return generate_latest(self.registry)
         self._publish_usage()
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        WorkerFiles(registry)  # type: ignore[no-untyped-call]
         registry.register(self.engines)  # this worker's own engines
         if self.label_quality is not None:  # read from the database the workers share: the same in each
             registry.register(self.label_quality)
@@ -244,6 +245,22 @@ class Metrics(Observer):
             if grown > 0:
                 counter.inc(grown)
                 self._published[field] = value
+
+
+class WorkerFiles(multiprocess.MultiProcessCollector):
+    """prometheus-client's multiprocess collector, less the files that hold nothing yet: a worker creates its file
+    before it sizes it, and a scrape that reads it at 0 bytes fails whole (prometheus/client_python#1199; for good
+    where that worker died in the moment)."""
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(path) > 0:
+                    files.append(path)
+            except OSError:  # gone since the listing
+                continue
+        return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class MetricsMiddleware:
