@@ -118,7 +118,8 @@ def _serve_one(args: argparse.Namespace, config: GatewayConfig | None, sock: soc
     from ..engine.model import ModelNotFound
     from ..gateway.config import ConfigError
     from ..gateway.service import Gateway
-    from ..server.app import Settings, create_app
+    from ..server.app import create_app
+    from ..server.settings import Settings
 
     try:
         router = build_router(args, config)

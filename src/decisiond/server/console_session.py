@@ -177,11 +177,16 @@ def client_address(request: Request) -> str:
     return request.client.host if request.client is not None else "unknown"
 
 
-def session_of(request: Request) -> Session:
-    """The request's console session, or 401."""
+def session_or_none(request: Request) -> Session | None:
+    """The request's console session, or None (no cookie, or not a live session of this server)."""
     sessions: Sessions | None = request.app.state.console_sessions
     token = request.cookies.get(COOKIE)
-    session = sessions.read(token) if sessions is not None and token else None
+    return sessions.read(token) if sessions is not None and token else None
+
+
+def session_of(request: Request) -> Session:
+    """The request's console session, or 401."""
+    session = session_or_none(request)
     if session is None:
         raise AuthenticationFailed("No console session, or it has ended: sign in at /console.",
                                    code="console_session_required")
