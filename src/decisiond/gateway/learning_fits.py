@@ -69,7 +69,8 @@ def fit(kind: str, table: Table, strength: float) -> dict[str, Any]:
     """The parameters of a ``kind`` fitted to ``table`` at ``strength`` (a head only where the table has features)."""
     if kind == "calibration":
         return fit_calibration(table.base, table.target, strength)
-    assert table.features is not None
+    if table.features is None:
+        raise ValueError(f"a {kind} is fitted to features; the table has none")
     return fit_head(table.features, table.target, strength)
 
 
@@ -78,7 +79,8 @@ def predict_rows(kind: str, params: dict[str, Any], table: Table) -> Array:
     if kind == "calibration":
         z = (np.log(np.maximum(table.base, FLOOR)) + np.asarray(params["bias"])) / params["temperature"]
     else:
-        assert table.features is not None
+        if table.features is None:
+            raise ValueError(f"a {kind} predicts from features; the table has none")
         z = table.features.astype(np.float64) @ np.asarray(params["weights"], dtype=np.float64).T + \
             np.asarray(params["intercept"], dtype=np.float64)
     return softmax(z)

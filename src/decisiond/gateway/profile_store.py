@@ -92,7 +92,8 @@ class ProfileStore:
         now = now or datetime.now(timezone.utc)
         profile_id = "prof_" + uuid.uuid4().hex[:24]
         chosen = outcome.chosen
-        assert outcome.kind is not None and outcome.params is not None and chosen is not None
+        if outcome.kind is None or outcome.params is None or chosen is None:
+            raise ValueError("only an accepted outcome (its kind, parameters and candidate) is stored")
 
         def run(connection: Connection) -> None:
             where = (LearnedProfile.target == group.target, LearnedProfile.signature == group.signature,

@@ -51,7 +51,8 @@ from ..limits import (
 from ..store.quotas import Quota, add_within, check_room
 from ..store.tables import BatchJob, StoredFile
 from . import files_fs
-from .batch_runner import ENDPOINTS, BatchRunner
+from .batch_lines import ENDPOINTS
+from .batch_runner import BatchRunner
 from .boundary import OpenAIRoute
 from .payload import read_payload, too_large
 from .routes import authenticate

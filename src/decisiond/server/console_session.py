@@ -108,7 +108,8 @@ class Sessions:
 
     def issue(self, subject: str, role: str, via: str) -> tuple[str, Session]:
         """A new session's cookie value and the session."""
-        assert role in ROLES and via in ("master_key", "oidc")
+        if role not in ROLES or via not in ("master_key", "oidc"):
+            raise ValueError(f"no session of role {role!r} signed in by {via!r}")
         sid = secrets.token_urlsafe(18)
         token = self.sign({"sid": sid, "sub": subject, "role": role, "via": via}, "session", self.ttl_s)
         return token, self._session(sid, subject, role, via, int(self.clock()) + self.ttl_s)
