@@ -30,12 +30,13 @@ from .catalog import Target
 from .chat import ChatRequest, ChatResult
 from .config import ConfigError
 from .decisions import DecisionStore
+from .guardrail_settings import GuardrailConfig
 from .journal import Journal, default_directory
 from .pipeline import Pipeline
 from .profile_store import ProfileStore
 from .profiles import ProfileBook
 from .router import Router
-from .settings import GatewayConfig, GuardrailConfig, check_redis_url
+from .settings import GatewayConfig, check_redis_url
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
 from .stages.auth import Authenticator

@@ -40,8 +40,8 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
 from ..gateway import decisions, profile_learning, profile_store, usage
+from ..gateway.access_settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.service import Gateway
-from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.budget_ledger import BudgetView
 from ..gateway.stages.budget_store import BudgetStore
 from ..gateway.types import Caller

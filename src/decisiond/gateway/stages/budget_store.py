@@ -22,7 +22,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
 from ...store.db import Database, aware
 from ...store.tables import Budget, BudgetReservation, BudgetWindow
-from ..settings import BudgetConfig
+from ..access_settings import BudgetConfig
 from .budget_ledger import BudgetView, Pending, budget_id, to_nano
 from .budget_sql import now_ms
 
