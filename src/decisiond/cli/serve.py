@@ -143,7 +143,8 @@ def _gateway_config(config: GatewayConfig | None, question_labels: int | None) -
     ``metrics.question_labels``."""
     if question_labels is None:
         return config
-    from ..gateway.settings import GatewayConfig, MetricsConfig
+    from ..gateway.settings import GatewayConfig
+    from ..gateway.telemetry_settings import MetricsConfig
 
     return (config or GatewayConfig()).model_copy(update={"metrics": MetricsConfig(question_labels=question_labels)})
 
