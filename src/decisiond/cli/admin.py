@@ -203,15 +203,8 @@ def _label_lines(path: str) -> list[tuple[int, str, Any]]:
     before anything is posted."""
     from ..errors import InputError
 
-    text = InputError.read_text(path)
     out = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            item = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise InputError(InputError.not_json(error), path, n) from None
+    for n, item in InputError.json_lines(path):
         if not isinstance(item, dict):
             raise InputError('each line is an object {"request_id": ..., "labels": {...}}', path, n)
         for field, kind, shown in (("request_id", str, "a string"), ("labels", dict, "an object")):
