@@ -171,8 +171,8 @@ class Span:
     that was sampled out, only the ids its children carry on upstream (``recorded`` False: nothing else is kept).
 
     Used as a ``with`` block, it is the current span (its children's parent) inside it and ends after it; with
-    ``failures``, an exception that leaves the block marks it failed (``failed``). Deliberately not the SDK's span,
-    nor OpenTelemetry's context: a request makes a dozen spans current, and each costs here a few microseconds."""
+    ``failures``, an exception that leaves the block marks it failed (``failed``). Not the SDK's span, nor
+    OpenTelemetry's context (why: ``benchmarks/SERVER_NOTES.md``)."""
 
     __slots__ = ("tracer", "name", "trace_id", "span_id", "parent_id", "remote_parent", "trace_state", "flags",
                  "spans", "kind", "attributes", "start_time", "end_time", "error", "failures", "token")

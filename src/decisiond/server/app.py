@@ -92,8 +92,8 @@ def _batch_runner(gateway: Gateway) -> BatchRunner | None:
 class App(FastAPI):
     """The FastAPI app, with one shortcut: a ``POST`` to a decision route (``routes.ROUTES``) goes straight to its
     endpoint through decisiond's own three middlewares (request id and access line, metrics, access guard), not
-    through FastAPI's routing and exception layers, which it never needed (its endpoint answers every error itself)
-    and which were a fifth of its cost. Its OpenAPI schema is FastAPI's as for any route."""
+    through FastAPI's routing and exception layers: its endpoint answers every error itself, in the caller's dialect
+    (why: ``benchmarks/SERVER_NOTES.md``). Its OpenAPI schema is FastAPI's as for any route."""
 
     direct: dict[str, ASGIApp] = {}
 
