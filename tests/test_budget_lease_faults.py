@@ -25,7 +25,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import DBAPIError
 
 from decisiond.errors import BudgetExceeded
-from decisiond.gateway.settings import BudgetConfig
+from decisiond.gateway.access_settings import BudgetConfig
 from decisiond.gateway.stages.budget_leases import LeaseBook, LeaseUnsettled
 from decisiond.gateway.stages.budget_ledger import NANO, BudgetView
 from decisiond.gateway.stages.budget_sql import SqlLedger

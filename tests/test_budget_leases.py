@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select, update
 
 from decisiond.errors import BudgetExceeded
-from decisiond.gateway.settings import BudgetConfig
+from decisiond.gateway.access_settings import BudgetConfig
 from decisiond.gateway.stages.budget_leases import LeaseBook
 from decisiond.gateway.stages.budget_sql import SqlLedger, apply_charges
 from decisiond.gateway.stages.budget_store import BudgetStore

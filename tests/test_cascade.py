@@ -110,7 +110,18 @@ def gateway_for(ups, tiny_engine, escalate_below: Any, **kw: Any) -> Gateway:
     return Gateway(Router.from_config(built, {"local": tiny_engine}), built)
 
 
-LOOPS: dict[int, LoopThread] = {}
+# Each gateway ``post`` used, with its own event loop: kept, so that its upstream sessions are closed on that loop
+# when the module is done (``_close_posted``).
+LOOPS: dict[int, tuple[Gateway, LoopThread]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_posted():
+    yield
+    for gateway, loop in LOOPS.values():
+        loop.run(gateway.router.aclose())
+        loop.close()
+    LOOPS.clear()
 
 
 def post(gateway: Gateway, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -122,7 +133,7 @@ def post(gateway: Gateway, path: str, body: Any, headers: dict[str, str] | None 
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
             return await client.post(path, json=body, headers=headers or {})
 
-    return LOOPS.setdefault(id(gateway), LoopThread()).run(go())
+    return LOOPS.setdefault(id(gateway), (gateway, LoopThread()))[1].run(go())
 
 
 def openai_body(model: str, questions: list[dict[str, Any]] = QUESTIONS) -> dict[str, Any]:
@@ -294,8 +305,15 @@ def test_a_step_that_fails_fails_the_request_and_keeps_the_first_calls_cost(ups,
     gateway = Gateway(Router.from_config(built, {"local": tiny_engine}), built)
     context = Context("req_x", "decide", "openai", resolved_model="broken")
     request = openai_dialect.parse_request(openai_body("broken"))
+
+    async def run() -> Any:
+        try:
+            return await gateway.pipeline.run(context, request)
+        finally:
+            await gateway.router.aclose()  # its upstream sessions, on the loop they were opened on
+
     with pytest.raises(decisiond.ProviderError):
-        asyncio.run(gateway.pipeline.run(context, request))
+        asyncio.run(run())
     assert len(context.calls) == 2 and context.calls[0].usage is not None and context.calls[1].usage is None
     assert context.cost == pytest.approx(context.calls[0].cost) and context.cost > 0
     assert context.response_headers["x-decisiond-escalated"] == "6 of 6"
@@ -341,10 +359,14 @@ def test_the_library_asks_a_cascade_by_name(ups, tiny_engine, local_answers):
     questions = [decisiond.Predicate("billing", "Is this about billing?"),
                  decisiond.Choice("team", "Which team should handle it?", ["billing", "technical", "sales"]),
                  decisiond.Predicate("urgent", "The customer needs an answer today.")]
-    with decisiond.Engine(Router.from_config(built, {"local": tiny_engine})) as engine:
-        local = engine.decide(TEXT, questions, model="local/tiny-random")
-        before = len(ups["strong"].seen)
-        decision = engine.decide(TEXT, questions, model="triage")
+    router = Router.from_config(built, {"local": tiny_engine})
+    with decisiond.Engine(router) as engine:
+        try:
+            local = engine.decide(TEXT, questions, model="local/tiny-random")
+            before = len(ups["strong"].seen)
+            decision = engine.decide(TEXT, questions, model="triage")
+        finally:
+            engine._run(router.aclose())  # its upstream sessions, on the engine's own loop
     asked = {q.name for q in questions}
     expected = [n for n in ("billing", "team", "urgent") if n in unsure & asked]
     assert seen_since(ups["strong"], before) == ([expected] if expected else [])

@@ -17,7 +17,7 @@ from servers import start_decisiond
 
 from decisiond.canonical import DecisionRequest, Json, Message, Question, Text, ToolCall
 from decisiond.errors import DecisionError
-from decisiond.gateway.settings import GuardrailConfig
+from decisiond.gateway.guardrail_settings import GuardrailConfig
 from decisiond.gateway.stages.guardrails import GuardrailSet, apply_texts, decision_texts
 
 # ------------------------------------------------------------------------------------------------ in process

@@ -429,13 +429,13 @@ def test_a_rollback_serves_again_what_the_profile_displaced(tmp_path):
     import asyncio
 
     from decisiond.gateway.learning import Candidate, Outcome
-    from decisiond.gateway.profile_store import Group, ProfileStore
+    from decisiond.gateway.profile_store import ProfileStore, TrainingSet
     from decisiond.store.db import Database
 
     async def run():
         db = await Database.open(f"sqlite:///{tmp_path / 'p.sqlite3'}")
         store = ProfileStore(db)
-        group = Group("flat", "sig", "team", [], labels=30)
+        group = TrainingSet("flat", "sig", "team", [], labels=30)
         outcome = Outcome(30, {"accuracy": 0.3}, [Candidate("calibration", 1.0, {"accuracy": 0.5}, 0.2, 0.01, True)],
                           kind="calibration", params={"temperature": 2.0, "bias": [0.0, 0.0]})
         p1 = await store.accept("flat", group, outcome)

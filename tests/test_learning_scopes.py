@@ -16,8 +16,8 @@ import sqlalchemy as sa
 import upstreams
 from servers import start_decisiond
 
+from decisiond.gateway.access_settings import in_subtree
 from decisiond.gateway.profiles import ProfileBook, enclosing
-from decisiond.gateway.settings import in_subtree
 
 MASTER = "scope-master-key-0123456789"
 KEY_A = "scope-tenant-a-key-0123456789"

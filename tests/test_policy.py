@@ -21,9 +21,11 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from servers import start_decisiond
 from services import start_redis
 
+from decisiond.gateway.access_settings import RateLimitConfig
 from decisiond.gateway.catalog import Catalog, Target
+from decisiond.gateway.guardrail_settings import GuardrailConfig
 from decisiond.gateway.providers import build
-from decisiond.gateway.settings import GuardrailConfig, ProviderConfig, RateLimitConfig
+from decisiond.gateway.settings import ProviderConfig
 from decisiond.gateway.stages.allowlist import allowed
 from decisiond.gateway.stages.guardrails import GuardrailSet
 from decisiond.gateway.stages.ratelimit import RateLimiter, Scope

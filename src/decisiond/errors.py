@@ -34,7 +34,7 @@ import math
 import os
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 Path = tuple[str | int, ...]
@@ -236,6 +236,20 @@ class InputError(ValueError):
             return pathlib.Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise cls.unreadable(path, e) from None
+
+    @classmethod
+    def json_lines(cls, path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
+        """(line number, counted from 1, and value) of each line of the JSON Lines file ``path`` that is not blank,
+        parsed as it is reached; an error of this class naming the file (``read_text``), or the line that is not
+        JSON (``not_json``)."""
+        for number, line in enumerate(cls.read_text(path).splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise cls(cls.not_json(e), path, number) from None
+            yield number, value
 
     @staticmethod
     def not_json(error: json.JSONDecodeError) -> str:

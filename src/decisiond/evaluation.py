@@ -25,7 +25,6 @@ interpolation (``numpy.quantile``'s default); the paired difference against ``ra
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,19 +61,14 @@ LABELED_FIELDS = ("input", "questions", "gold")
 def load(path: str | Path) -> list[LabeledItem]:
     """The labeled items of the JSON Lines file ``path``; an ``InputError`` naming the file, the line and the field
     (as the server names it: ``questions[0].choices``, ``gold.billing``) at fault."""
-    text = InputError.read_text(path)
-    items = [_labeled(line, path, number) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    items = [_labeled(data, path, number) for number, data in InputError.json_lines(path)]
     if not items:
         raise InputError("no labeled items (JSON Lines: input, questions and gold on each line)", path)
     return items
 
 
-def _labeled(line: str, path: str | Path, number: int) -> LabeledItem:
-    """One line of a labeled file."""
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(InputError.not_json(e), path, number) from None
+def _labeled(data: Any, path: str | Path, number: int) -> LabeledItem:
+    """One line of a labeled file (its JSON value)."""
     if not isinstance(data, dict):
         raise InputError("not a JSON object with input, questions and gold", path, number)
     for name in LABELED_FIELDS:

@@ -2,13 +2,9 @@
 batch of them posted to a receiver's ``/v1/traces`` as one ``ExportTraceServiceRequest`` from the SDK's
 ``BatchSpanProcessor`` thread.
 
-Why not the SDK's own OTLP exporter: its encoder builds protobuf objects attribute by attribute, ~20 µs a span here,
-in the processor's thread — with a dozen spans a decision, a fifth of a millisecond or more of CPU a request, taken
-in bursts of whole batches on the GIL the server's event loop needs (the traced gateway lost 40 % of its requests a
-second, and its p99 grew by 15 ms). Written here directly as wire bytes, with the fields of OTLP's
-``opentelemetry/proto/trace/v1/trace.proto`` (the tests decode what is sent with OTLP's own generated classes), a
-span costs a few microseconds, spread evenly over the requests; an attribute or a name seen before (an outcome, a
-model) is written once and reused.
+Spans are written directly as wire bytes, with the fields of OTLP's ``opentelemetry/proto/trace/v1/trace.proto`` (the
+tests decode what is sent with OTLP's own generated classes); an attribute or a name seen before (an outcome, a
+model) is written once and reused. Why not the SDK's own exporter: ``benchmarks/SERVER_NOTES.md``.
 
 The exporter follows the OTLP/HTTP specification: ``Content-Type: application/x-protobuf``; 429, 502, 503 and 504
 retried with exponential backoff (or the receiver's ``Retry-After``) within the timeout; the standard variables for

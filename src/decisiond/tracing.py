@@ -42,7 +42,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .version import __version__
 
-Context = otel_context.Context
+TraceContext = otel_context.Context
 # A span's kind, as OTLP numbers them (``SpanKind`` + 1).
 INTERNAL = 1
 SERVER = 2
@@ -119,7 +119,7 @@ class Tracer:
         self.encoder = encoder
 
     def start(self, name: str, attributes: dict[str, Any] | None = None, kind: int = INTERNAL,
-              parent: Context | None = None, start_time: int | None = None, failures: bool = True) -> Span:
+              parent: TraceContext | None = None, start_time: int | None = None, failures: bool = True) -> Span:
         """A span: the child of the current span, or of the caller's span in ``parent`` (an extracted
         ``traceparent``), else a root. A child of a local span shares its sampling decision; a root or the child of
         a caller's span is sampled by the sampler (``ParentBased``: a caller's decision stands). ``attributes`` is
@@ -171,8 +171,8 @@ class Span:
     that was sampled out, only the ids its children carry on upstream (``recorded`` False: nothing else is kept).
 
     Used as a ``with`` block, it is the current span (its children's parent) inside it and ends after it; with
-    ``failures``, an exception that leaves the block marks it failed (``failed``). Deliberately not the SDK's span,
-    nor OpenTelemetry's context: a request makes a dozen spans current, and each costs here a few microseconds."""
+    ``failures``, an exception that leaves the block marks it failed (``failed``). Not the SDK's span, nor
+    OpenTelemetry's context (why: ``benchmarks/SERVER_NOTES.md``)."""
 
     __slots__ = ("tracer", "name", "trace_id", "span_id", "parent_id", "remote_parent", "trace_state", "flags",
                  "spans", "kind", "attributes", "start_time", "end_time", "error", "failures", "token")
@@ -291,7 +291,7 @@ def trace_id(span: Span) -> str:
     return format(span.trace_id, "032x")
 
 
-def extract(headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
+def extract(headers: Iterable[tuple[bytes, bytes]]) -> TraceContext | None:
     """The caller's trace context from an ASGI request's headers (``traceparent``, ``tracestate``), or None."""
     carrier = {}
     for key, value in headers:

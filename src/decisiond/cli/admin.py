@@ -67,7 +67,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     """Managed keys in the database the server uses (``--config``'s database_url, or DECISIOND_DATABASE_URL, or
     the default SQLite file): the same code as the admin API."""
     # Lazy: the gateway's configuration models (start-up time).
-    from ..gateway.settings import unknown_guardrail
+    from ..gateway.guardrail_settings import unknown_guardrail
 
     config = load_config(args)
     guardrails = list(dict.fromkeys(g.strip() for g in (getattr(args, "guardrails", None) or "").split(",")
@@ -129,7 +129,7 @@ async def _keys(args: argparse.Namespace, config: GatewayConfig | None, guardrai
 async def _create_key(args: argparse.Namespace, store: KeyStore, guardrails: list[str]) -> None:
     """Create the key ``keys create`` describes and print it, with its secret, once."""
     # Lazy: the gateway's configuration models (start-up time).
-    from ..gateway.settings import RateLimitConfig, check_user_path
+    from ..gateway.access_settings import RateLimitConfig, check_user_path
 
     limits = RateLimitConfig(requests_per_minute=args.rpm, requests_per_day=args.rpd,
                              input_tokens_per_minute=args.tpm, concurrent=args.concurrent)
@@ -203,15 +203,8 @@ def _label_lines(path: str) -> list[tuple[int, str, Any]]:
     before anything is posted."""
     from ..errors import InputError
 
-    text = InputError.read_text(path)
     out = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            item = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise InputError(InputError.not_json(error), path, n) from None
+    for n, item in InputError.json_lines(path):
         if not isinstance(item, dict):
             raise InputError('each line is an object {"request_id": ..., "labels": {...}}', path, n)
         for field, kind, shown in (("request_id", str, "a string"), ("labels", dict, "an object")):

@@ -118,7 +118,8 @@ def _serve_one(args: argparse.Namespace, config: GatewayConfig | None, sock: soc
     from ..engine.model import ModelNotFound
     from ..gateway.config import ConfigError
     from ..gateway.service import Gateway
-    from ..server.app import Settings, create_app
+    from ..server.app import create_app
+    from ..server.settings import Settings
 
     try:
         router = build_router(args, config)
@@ -142,7 +143,8 @@ def _gateway_config(config: GatewayConfig | None, question_labels: int | None) -
     ``metrics.question_labels``."""
     if question_labels is None:
         return config
-    from ..gateway.settings import GatewayConfig, MetricsConfig
+    from ..gateway.settings import GatewayConfig
+    from ..gateway.telemetry_settings import MetricsConfig
 
     return (config or GatewayConfig()).model_copy(update={"metrics": MetricsConfig(question_labels=question_labels)})
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,25 +176,39 @@ class _Batch:
         return loss, d_log_t, d_bias
 
 
-def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100) -> Fit:
-    """Minimise ``loss + strength · (log² T + |b|²)`` by L-BFGS on the analytic gradient."""
-    from scipy import optimize  # only eval and calibrate fit: serving does not pay for the import (~0.5 s)
+ScalingLoss = Callable[[float, NDArray[np.float64]], tuple[float, float, NDArray[np.float64]]]
 
+
+def fit_scaling(loss: ScalingLoss, width: int, with_bias: bool, strength: float,
+                steps: int) -> tuple[float, list[float]] | None:
+    """The temperature ``T`` and, with ``with_bias``, the ``width`` biases ``b`` (else none) minimising
+    ``loss(log T, b) + strength · (log² T + |b|²)`` within ``LOG_T_BOUNDS`` and ``BIAS_BOUND``, by L-BFGS-B on the
+    analytic gradient: ``loss`` gives its value and its derivatives by ``log T`` and by ``b``. None when the
+    optimiser ends off the finite numbers. The one fitter of temperature and bias: the engine's calibration here,
+    learned calibration profiles (``gateway.learning_fits``)."""
+    from scipy import optimize  # only fits need it: serving does not import it
 
     def objective(x: NDArray[np.float64]) -> tuple[float, NDArray[np.float64]]:
         log_t = float(x[0])
-        bias = x[1:] if with_bias else np.zeros(batch.width)
-        loss, d_log_t, d_bias = batch.loss(log_t, bias, gradient=True)
-        value = loss + strength * (log_t ** 2 + float((bias ** 2).sum()))
+        bias = x[1:] if with_bias else np.zeros(width)
+        value, d_log_t, d_bias = loss(log_t, bias)
+        value += strength * (log_t ** 2 + float(bias @ bias))
         grad = np.concatenate(([d_log_t + 2 * strength * log_t], d_bias + 2 * strength * bias if with_bias else []))
         return value, grad
 
-    x0 = np.zeros(1 + (batch.width if with_bias else 0))
-    bounds = [LOG_T_BOUNDS] + [(-BIAS_BOUND, BIAS_BOUND)] * (batch.width if with_bias else 0)
+    x0 = np.zeros(1 + (width if with_bias else 0))
+    bounds = [LOG_T_BOUNDS] + [(-BIAS_BOUND, BIAS_BOUND)] * (width if with_bias else 0)
     result = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds, options={"maxiter": steps})
     if not np.all(np.isfinite(result.x)):
-        return Fit()
-    return Fit(temperature=math.exp(float(result.x[0])), bias=[float(b) for b in result.x[1:]] if with_bias else [])
+        return None
+    return math.exp(float(result.x[0])), [float(b) for b in result.x[1:]]
+
+
+def _fit_batch(batch: _Batch, with_bias: bool, strength: float, steps: int = 100) -> Fit:
+    """Minimise ``loss + strength · (log² T + |b|²)`` over ``batch`` (``fit_scaling``)."""
+    fitted = fit_scaling(lambda log_t, bias: batch.loss(log_t, bias, gradient=True), batch.width, with_bias,
+                         strength, steps)
+    return Fit() if fitted is None else Fit(temperature=fitted[0], bias=fitted[1])
 
 
 def _log_loss(batch: _Batch, fitted: Fit) -> float:

@@ -4,11 +4,12 @@ parse a request into the canonical form) and the providers (which answer it).
 Layers, bottom up. A module imports only from its own layer or the layers above it in this list, never from a
 later one (``tests/test_layers.py`` reads this list and checks it, and that no import cycle exists anywhere):
 
-1. types: types.py settings.py batch_settings.py console_settings.py logprobs_settings.py virtual.py pricing.py
-   sizes.py chat.py fingerprint.py result_check.py pipeline.py
-   — the shared gateway types, the pure configuration models (virtual models, batches, the console and served
-   models' log-probs on their own), prices, request sizes and limits, chat traffic's request/relay types, request
-   fingerprints, the answer check, the stage chain. No I/O.
+1. types: types.py settings.py access_settings.py guardrail_settings.py telemetry_settings.py batch_settings.py
+   console_settings.py logprobs_settings.py virtual.py pricing.py sizes.py chat.py fingerprint.py result_check.py
+   pipeline.py
+   — the shared gateway types, the pure configuration models (by section: access, guardrails, telemetry, virtual
+   models, batches, the console and served models' log-probs on their own), prices, request sizes and limits, chat
+   traffic's request/relay types, request fingerprints, the answer check, the stage chain. No I/O.
 2. providers: providers/
    — one module per provider type, registered in one table (``providers.REGISTRY``).
 3. config: config.py

@@ -89,7 +89,8 @@ def record(request: DecisionRequest, result: DecisionResult, model: str, request
 def _step(step: Step, first: bool) -> dict[str, Any]:
     """A cascade call as stored: its answers by the request's question index, and what computed them (features only
     for the first step: the one a profile learns for)."""
-    assert step.result is not None
+    if step.result is None:
+        raise ValueError("a cascade step is stored once it has answered")
     target = step.answered_by.name if step.answered_by else None
     asked = list(zip(step.asked, step.result.answers))
     return {"step": step.name, "position": step.position, "target": target,

@@ -325,7 +325,8 @@ def _cross_validated(data: Table, kind: str, plan: list[dict[str, int]]) -> tupl
         mean = float(_losses(held, data.target).mean())
         if best is None or mean < best[1] - 1e-12:
             best = (strength, mean, held)
-    assert best is not None
+    if best is None:
+        raise ValueError("no strength to choose among")
     return best[0], best[2]
 
 

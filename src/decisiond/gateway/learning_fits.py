@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ..engine.calibration import BIAS_BOUND, LOG_T_BOUNDS
+from ..engine.calibration import fit_scaling
 
 FLOOR = 1e-12  # probabilities are clamped here in a log loss, as the metrics do
 SCALE_FLOOR = 1e-4  # a feature's spread, relative to the largest spread among the features, below which it is floored
@@ -69,7 +69,8 @@ def fit(kind: str, table: Table, strength: float) -> dict[str, Any]:
     """The parameters of a ``kind`` fitted to ``table`` at ``strength`` (a head only where the table has features)."""
     if kind == "calibration":
         return fit_calibration(table.base, table.target, strength)
-    assert table.features is not None
+    if table.features is None:
+        raise ValueError(f"a {kind} is fitted to features; the table has none")
     return fit_head(table.features, table.target, strength)
 
 
@@ -78,7 +79,8 @@ def predict_rows(kind: str, params: dict[str, Any], table: Table) -> Array:
     if kind == "calibration":
         z = (np.log(np.maximum(table.base, FLOOR)) + np.asarray(params["bias"])) / params["temperature"]
     else:
-        assert table.features is not None
+        if table.features is None:
+            raise ValueError(f"a {kind} predicts from features; the table has none")
         z = table.features.astype(np.float64) @ np.asarray(params["weights"], dtype=np.float64).T + \
             np.asarray(params["intercept"], dtype=np.float64)
     return softmax(z)
@@ -86,25 +88,18 @@ def predict_rows(kind: str, params: dict[str, Any], table: Table) -> Array:
 
 def fit_calibration(base: Array, y: Array, strength: float) -> dict[str, Any]:
     """Temperature and bias minimising mean cross-entropy + strength · (log² T + |b|²), within the bounds."""
-    from scipy import optimize
-
     z = np.log(np.maximum(base, FLOOR))
     n, k = z.shape
 
-    def objective(x: Array) -> tuple[float, Array]:
-        log_t, bias = float(x[0]), x[1:]
+    def loss(log_t: float, bias: Array) -> tuple[float, float, Array]:
         scaled = (z + bias) / math.exp(log_t)
         p = softmax(scaled)
-        loss = float(cross_entropy(p, y).mean()) + strength * (log_t ** 2 + float(bias @ bias))
         g = (p - y) / n
-        return loss, np.concatenate(([-(g * scaled).sum() + 2 * strength * log_t],
-                                     g.sum(axis=0) / math.exp(log_t) + 2 * strength * bias))
+        return float(cross_entropy(p, y).mean()), float(-(g * scaled).sum()), g.sum(axis=0) / math.exp(log_t)
 
-    bounds = [LOG_T_BOUNDS] + [(-BIAS_BOUND, BIAS_BOUND)] * k
-    result = optimize.minimize(objective, np.zeros(1 + k), jac=True, method="L-BFGS-B", bounds=bounds,
-                               options={"maxiter": 200})
-    x = result.x if np.all(np.isfinite(result.x)) else np.zeros(1 + k)
-    return {"temperature": math.exp(float(x[0])), "bias": [float(b) for b in x[1:]]}
+    fitted = fit_scaling(loss, k, True, strength, 200)
+    temperature, bias = fitted if fitted is not None else (1.0, [0.0] * k)
+    return {"temperature": temperature, "bias": bias}
 
 
 def standardiser(features: NDArray[Any]) -> tuple[Array, Array]:

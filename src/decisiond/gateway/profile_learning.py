@@ -32,7 +32,7 @@ from ..store.tables import LearnedProfile
 from .decisions import label_index
 from .learning import Baseline, Outcome, decode_features, learn
 from .learning_fits import Table
-from .profile_store import Group, ProfileStore
+from .profile_store import ProfileStore, TrainingSet
 from .profiles import enclosing, options
 
 log = logging.getLogger("decisiond.gateway")
@@ -79,8 +79,8 @@ class Answers:
         human = {self.answer[i] for i in rows if not self.teacher[i]}
         return [i for i in reversed(rows) if not self.teacher[i] or self.answer[i] not in human]
 
-    def group(self, scope: str, rows: Sequence[int]) -> Group:
-        """``rows`` (``visible(scope)``) as a ``Group`` whose samples are one ``Table``."""
+    def group(self, scope: str, rows: Sequence[int]) -> TrainingSet:
+        """``rows`` (``visible(scope)``) as a ``TrainingSet`` whose samples are one ``Table``."""
         kept = [self.features[i] for i in rows]
         widths = {None if f is None else len(f) for f in kept}
         features = np.stack([f for f in kept if f is not None]).astype(np.float32, copy=False) \
@@ -89,7 +89,7 @@ class Answers:
                       np.array([self.targets[i] for i in rows], dtype=np.float64), features,
                       [self.inputs[i] for i in rows])
         human = [i for i in rows if not self.teacher[i]]
-        return Group(self.target, self.signature, self.question, table, len(human), scope,
+        return TrainingSet(self.target, self.signature, self.question, table, len(human), scope,
                      sum(self.scopes[i] != scope for i in human))
 
 
@@ -161,7 +161,7 @@ def _strength(profile: LearnedProfile) -> float | None:
     return float(found[0]) if found and found[0] is not None else None
 
 
-def _judge(answers: Answers, scope: str, current: LearnedProfile | None) -> tuple[Group, Outcome]:
+def _judge(answers: Answers, scope: str, current: LearnedProfile | None) -> tuple[TrainingSet, Outcome]:
     """``scope``'s samples and what the rule decides on them, against ``current`` fitted again per fold on its own
     samples (in a thread: the tables are built and the fits made here)."""
     group = answers.group(scope, answers.visible(scope))
@@ -199,7 +199,7 @@ async def _learn_scope(store: ProfileStore, model: str, answers: Answers, scope:
     return {**report, "replaces": replaces, "profile": profile_id, **outcome.describe()}
 
 
-def _size(group: Group) -> int:
+def _size(group: TrainingSet) -> int:
     return group.samples.size if isinstance(group.samples, Table) else len(group.samples)
 
 

@@ -30,7 +30,7 @@ LEARNED_COLUMNS = (StoredDecision.request_id, StoredDecision.questions, StoredDe
 
 
 @dataclass
-class Group:
+class TrainingSet:
     """One target's answers to one question as learned for one scope: the samples, and what ``ProfileStore.accept``
     keeps beside an accepted profile (how many human labels, of which ``inherited`` were posted under a scope above
     ``scope``; the rest of the samples are teacher labels)."""
@@ -87,12 +87,13 @@ class ProfileStore:
             raise NotFound(f"no profile {profile_id[:100]!r}", ("profile_id",), code="profile_not_found")
         return row
 
-    async def accept(self, model: str, group: Group, outcome: Outcome, now: datetime | None = None) -> str:
+    async def accept(self, model: str, group: TrainingSet, outcome: Outcome, now: datetime | None = None) -> str:
         """Store an accepted profile as the active one of its target, question and scope, in one transaction."""
         now = now or datetime.now(timezone.utc)
         profile_id = "prof_" + uuid.uuid4().hex[:24]
         chosen = outcome.chosen
-        assert outcome.kind is not None and outcome.params is not None and chosen is not None
+        if outcome.kind is None or outcome.params is None or chosen is None:
+            raise ValueError("only an accepted outcome (its kind, parameters and candidate) is stored")
 
         def run(connection: Connection) -> None:
             where = (LearnedProfile.target == group.target, LearnedProfile.signature == group.signature,

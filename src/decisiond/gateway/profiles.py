@@ -50,9 +50,14 @@ PROFILE_HEADER = "x-decisiond-profile"
 
 
 def signature(question: Question) -> str:
-    """What makes two questions the same question to a profile: type, name, instructions and options (SHA-256)."""
-    text = json.dumps(request_tree(question), separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    """What makes two questions the same question to a profile: type, name, instructions and options (SHA-256).
+    Hashed once per question: kept on the (frozen) question as ``functools.cached_property`` keeps a value, for a
+    request that reads it twice (to apply its profiles, and to store its decision)."""
+    known: str | None = question.__dict__.get("_signature")
+    if known is None:
+        text = json.dumps(request_tree(question), separators=(",", ":"), ensure_ascii=False)
+        known = question.__dict__["_signature"] = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return known
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,13 @@ from .catalog import Target
 from .chat import ChatRequest, ChatResult
 from .config import ConfigError
 from .decisions import DecisionStore
+from .guardrail_settings import GuardrailConfig
 from .journal import Journal, default_directory
 from .pipeline import Pipeline
 from .profile_store import ProfileStore
 from .profiles import ProfileBook
 from .router import Router
-from .settings import GatewayConfig, GuardrailConfig, check_redis_url
+from .settings import GatewayConfig, check_redis_url
 from .sizes import estimated_tokens
 from .stages.allowlist import Allowlist
 from .stages.auth import Authenticator
@@ -118,6 +119,10 @@ class Gateway:
                                      otel.schedule_delay_ms)
         self.tracer = self.tracing.tracer if self.tracing is not None else None
         router.tracer = self.tracer
+        self.pipeline, self.judge_pipeline = self._pipelines(router, config)
+
+    def _pipelines(self, router: Router, config: GatewayConfig) -> tuple[Pipeline, Pipeline]:
+        """The request pipeline, and the one of a ``decision_judge`` guardrail's calls."""
         # The cache after the allowlist (a key never reads answers of a model it may not use) and before the rate
         # limits and budgets: a hit runs nothing downstream, so it consumes no rate-limit tokens nor budget.
         catalog, when_down = router.catalog, config.budgets_when_database_down
@@ -127,10 +132,10 @@ class Gateway:
             RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog, when_down),
             GuardrailStage(self.guardrails, catalog),
         ]
-        self.pipeline = Pipeline(stages, self._route, self.tracer)
         # A decision_judge guardrail's calls: its own user path's rate limits and budgets, then the router.
-        self.judge_pipeline = Pipeline([RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog,
-                                                                                  when_down)], self._route, self.tracer)
+        judge = Pipeline([RateLimitStage(self.limiter), BudgetStage(lambda: self.leases, catalog, when_down)],
+                         self._route, self.tracer)
+        return Pipeline(stages, self._route, self.tracer), judge
 
     @staticmethod
     def keys_configured(config: GatewayConfig) -> bool:

@@ -1,20 +1,19 @@
-"""The gateway's configuration as data: pydantic models of the YAML (providers, models, virtual models, keys,
-limits, budgets, guardrails, cache, audit), each validated on its own and against its siblings. Pure: no I/O and no
-provider registry — ``gateway.config`` reads the file, interpolates ``${ENV}`` and checks each provider entry
-against its registered type.
+"""The gateway's configuration as data: pydantic models of the YAML (providers, models, virtual models, keys, limits,
+budgets, guardrails, cache, audit), each validated on its own and against its siblings. A section of its own per
+module beside this one: keys, user paths, rate limits and budgets (``access_settings``), guardrails
+(``guardrail_settings``), audit, traces and metrics (``telemetry_settings``), batches, the console, served models'
+log-probs; ``GatewayConfig``, here, holds them all. Pure: no I/O and no provider registry — ``gateway.config`` reads
+the file, interpolates ``${ENV}`` and checks each provider entry against its registered type.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Iterable
 from typing import Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeFloat,
     field_validator,
     model_validator,
 )
@@ -26,14 +25,15 @@ from ..limits import (
     CONCURRENCY_SLOT_TTL_S,
     DECISION_RETENTION_DAYS,
     DEFAULT_MAX_OUTPUT_TOKENS,
-    DEFAULT_QUESTION_LABELS,
-    MAX_QUESTION_LABELS,
     PROFILE_REFRESH_S,
 )
+from .access_settings import AuthConfig, BudgetConfig, RateLimitConfig, UserPathLimit
 from .batch_settings import BatchesConfig
 from .console_settings import ConsoleConfig
+from .guardrail_settings import GuardrailConfig, unknown_guardrail
 from .logprobs_settings import LogprobsOptions
 from .pricing import Pricing
+from .telemetry_settings import AuditConfig, MetricsConfig, OtelConfig
 from .virtual import VirtualModelConfig, check_chains
 
 # Under the TypeSafe SDK's 10 s per call, so that its retry never races an attempt still running here.
@@ -71,124 +71,6 @@ class Limits(BaseModel):
     """Most input tokens of one request."""
     max_question_tokens: int | None = None
     """Most tokens of one question's instructions."""
-
-
-USER_PATH = re.compile(r"^/([A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*)?$")
-MAX_USER_PATH = 256
-
-
-def check_user_path(value: str) -> str:
-    """A user path: ``/`` or ``/team/alpha`` (segments of letters, digits and ``._~-``), at most 256 characters."""
-    if len(value) > MAX_USER_PATH or not USER_PATH.match(value):
-        raise ValueError(f"user path {value[:40]!r} must look like /team/alpha: segments of letters, digits and "
-                         f"'._~-' after '/', at most {MAX_USER_PATH} characters")
-    return value
-
-
-def in_subtree(path: str, root: str) -> bool:
-    """``/team/alpha/bob`` is in ``/team/alpha`` and in ``/``; ``/team/alphabet`` is not in ``/team/alpha``."""
-    root = root.rstrip("/")
-    return path == root or path.startswith(root + "/") or root == ""
-
-
-Action = Literal["block", "warn", "redact"]
-Detector = Literal["email", "phone", "card", "iban", "ip"]
-DETECTOR_NAMES: tuple[Detector, ...] = ("email", "phone", "card", "iban", "ip")
-
-
-class PatternConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    pattern: str = Field(min_length=1, max_length=1000)
-    """A Python regular expression."""
-    action: Action | None = None
-    """What a match does; unset: the guardrail's action."""
-    replacement: str = "[REDACTED]"
-    """What a redacted match is replaced with."""
-
-
-class GuardrailConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    name: str = Field(min_length=1)
-    """The name models, virtual models and keys list it by."""
-    type: Literal["regex", "pii", "decision_judge"]
-    """``regex`` (patterns), ``pii`` (detectors) or ``decision_judge`` (a decision model asked a yes/no question)."""
-    order: int = 0
-    """Guardrails run in ascending order."""
-    action: Action = "block"
-    """``block`` (400), ``warn`` (a header, the request goes on) or ``redact`` (matches replaced)."""
-    fail_mode: Literal["closed", "open"] = "closed"
-    """When the guardrail itself fails (a judge that errors or times out): ``closed`` refuses the request, ``open``
-    lets it through.
-    """
-    timeout_ms: int = Field(default=5000, ge=1)
-    """How long a judge may take."""
-    patterns: list[PatternConfig] = Field(default_factory=list)
-    """regex: the patterns."""
-    detectors: list[Detector] = Field(default_factory=lambda: list(DETECTOR_NAMES))
-    """pii: which detectors run."""
-    model: str | None = None
-    """decision_judge: the model (or virtual model) that judges."""
-    instructions: str | None = None
-    """decision_judge: the yes/no question asked of the request's text."""
-    yes: str | None = None
-    """decision_judge: what yes means (a description of the option)."""
-    no: str | None = None
-    """decision_judge: what no means."""
-    threshold: float = Field(default=0.5, ge=0, le=1)
-    """decision_judge: P(yes) at or above which the guardrail acts."""
-    user_path: str = "/guardrails"
-    """decision_judge: the user path the judge's own usage rows are charged to."""
-
-    @model_validator(mode="after")
-    def _complete(self) -> "GuardrailConfig":
-        if self.type == "regex":
-            if not self.patterns:
-                raise ValueError(f"guardrail {self.name!r} (regex) needs patterns")
-            for p in self.patterns:
-                try:
-                    re.compile(p.pattern)
-                except re.error as e:
-                    raise ValueError(f"guardrail {self.name!r}: pattern {p.pattern!r} is not a regex: {e}") from None
-        if self.type == "decision_judge" and not (self.model and self.instructions):
-            raise ValueError(f"guardrail {self.name!r} (decision_judge) needs a model and instructions")
-        if self.type == "decision_judge" and self.action == "redact":
-            raise ValueError(f"guardrail {self.name!r}: a judge blocks or warns; it cannot redact")
-        check_user_path(self.user_path)
-        return self
-
-
-def unknown_guardrail(names: Iterable[str], defined: Collection[str]) -> str | None:
-    """The first of ``names`` that is not a configured guardrail, else None: models, virtual models and keys (static
-    or managed) may only name configured guardrails."""
-    return next((n for n in names if n not in defined), None)
-
-
-class RateLimitConfig(BaseModel):
-    """Limits on one scope (a key, a user-path subtree, a model or a provider); None means no limit."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    requests_per_second: int | None = Field(default=None, ge=1)
-    """Requests per second."""
-    requests_per_minute: int | None = Field(default=None, ge=1)
-    """Requests per minute."""
-    requests_per_hour: int | None = Field(default=None, ge=1)
-    """Requests per hour."""
-    requests_per_day: int | None = Field(default=None, ge=1)
-    """Requests per day."""
-    input_tokens_per_minute: int | None = Field(default=None, ge=1)
-    """Input tokens per minute, counted before the request is sent."""
-    concurrent: int | None = Field(default=None, ge=1)
-    """Requests in flight at once."""
-    requests_per_window: int | None = Field(default=None, ge=1)
-    """Any other window: this many requests per ``window_seconds``."""
-    window_seconds: int = Field(default=60, ge=1, le=86400)
-    """The window of ``requests_per_window``."""
-
-    def empty(self) -> bool:
-        return all(v is None for k, v in self.model_dump().items() if k != "window_seconds")
 
 
 class ChatTimeouts(BaseModel):
@@ -295,44 +177,6 @@ class ModelConfig(BaseModel):
     """How long a stored decision is kept, in days (with its labels)."""
 
 
-class StaticKeyConfig(BaseModel):
-    """A key listed in the YAML: its secret from the environment (``key: ${ENV}``) or its SHA-256
-    (``key_sha256: <hex>``), never stored in clear past start-up."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    name: str = Field(min_length=1, max_length=200)
-    """The key's name (its id is ``static:<name>``)."""
-    key: str | None = Field(default=None, min_length=16, repr=False)
-    """The secret, at least 16 characters, best given as ``${ENV}``."""
-    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    """Or the secret's SHA-256, in hex."""
-    user_path: str = "/"
-    """Where its usage is counted (``/team/alpha``); budgets and limits of the subtrees above it apply."""
-    models: list[str] | None = None
-    """The models (and virtual models) it may use; unset: all."""
-    rate_limits: RateLimitConfig | None = None
-    """Limits on this key."""
-    guardrails: list[str] = Field(default_factory=list)
-    """Guardrails (by name) every request made with it runs through."""
-
-    @model_validator(mode="after")
-    def _one_secret(self) -> "StaticKeyConfig":
-        if (self.key is None) == (self.key_sha256 is None):
-            raise ValueError(f"key {self.name!r} needs exactly one of key (e.g. ${{ENV}}) or key_sha256")
-        check_user_path(self.user_path)
-        return self
-
-
-class AuthConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    master_key: str | None = Field(default=None, min_length=16, repr=False)
-    """The master key; DECISIOND_MASTER_KEY is used when this is not set."""
-    keys: list[StaticKeyConfig] = Field(default_factory=list)
-    """Keys listed in the file (managed keys live in the database: ``decisiond keys``, ``/admin/keys``)."""
-
-
 class CacheConfig(BaseModel):
     """The exact response cache (``gateway.cache``): in-process memory, plus Redis shared by replicas when
     ``redis_url`` is set. Which models it applies to: ``cache`` on a virtual model, a model or a provider (any
@@ -350,104 +194,6 @@ class CacheConfig(BaseModel):
     """Entries shared by several replicas (redis://…); in-process memory only when unset."""
 
     _redis_url = field_validator("redis_url")(check_redis_url)
-
-
-class UserPathLimit(RateLimitConfig):
-    """Limits shared by every caller whose user path is ``user_path`` or below it."""
-
-    user_path: str
-    """The subtree (``/team/alpha``) whose callers share these limits."""
-
-    @model_validator(mode="after")
-    def _path(self) -> "UserPathLimit":
-        check_user_path(self.user_path)
-        return self
-
-
-class BudgetConfig(BaseModel):
-    """A spending limit in USD on one scope — a key (its id: a managed key's ``key_...`` or ``static:<name>``), a
-    user-path subtree or a model — per UTC calendar hour/day/week/month or per ``period_seconds``."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    key: str | None = Field(default=None, min_length=1, max_length=200)
-    """Scope: a key's id (``key_...`` for a managed key, ``static:<name>``)."""
-    user_path: str | None = None
-    """Scope: a user-path subtree."""
-    model: str | None = Field(default=None, min_length=1, max_length=200)
-    """Scope: a model or virtual model."""
-    limit_usd: NonNegativeFloat
-    """The most the scope may spend in one period, in USD."""
-    period: Literal["hourly", "daily", "weekly", "monthly"] | None = None
-    """A UTC calendar period."""
-    period_seconds: int | None = Field(default=None, ge=1, le=366 * 86400)
-    """Or a rolling period of this many seconds."""
-
-    @model_validator(mode="after")
-    def _one_scope(self) -> "BudgetConfig":
-        if sum(v is not None for v in (self.key, self.user_path, self.model)) != 1:
-            raise ValueError("a budget needs exactly one of key, user_path or model")
-        if (self.period is None) == (self.period_seconds is None):
-            raise ValueError("a budget needs exactly one of period (hourly, daily, weekly, monthly) or "
-                             "period_seconds")
-        if self.user_path is not None:
-            check_user_path(self.user_path)
-        return self
-
-
-class AuditConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    log_bodies: bool = False
-    """Keep request and response bodies with each usage row (secrets and redact_fields replaced)."""
-    redact_fields: list[str] = Field(default_factory=list)
-    """Extra field names (at any depth) to redact from logged bodies, besides the built-in secret names."""
-    retention_days: int | None = Field(default=90, ge=1)
-    """Usage and audit rows older than this are purged (hourly); None keeps them."""
-
-
-class OtelConfig(BaseModel):
-    """OpenTelemetry traces (``decisiond.tracing``), exported by OTLP over HTTP (protobuf): on when ``endpoint`` is
-    set here or the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is;
-    ``OTEL_SDK_DISABLED=true`` turns them off."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    endpoint: str | None = None
-    """The OTLP/HTTP receiver (a collector): a base URL such as ``http://collector:4318`` (spans go to its
-    ``/v1/traces``) or the whole traces URL; unset: ``OTEL_EXPORTER_OTLP_ENDPOINT``.
-    """
-    service_name: str | None = None
-    """The spans' ``service.name``; unset: ``OTEL_SERVICE_NAME``, else ``decisiond``."""
-    sample_ratio: float = Field(default=1.0, ge=0, le=1)
-    """The share of requests traced, chosen by trace id; a caller's ``traceparent`` that says whether it is sampled
-    decides for its request.
-    """
-    headers: dict[str, str] = Field(default_factory=dict, repr=False)
-    """Headers sent with every export (a hosted collector's key, best given as ``${ENV}``); unset:
-    ``OTEL_EXPORTER_OTLP_HEADERS``.
-    """
-    schedule_delay_ms: int | None = Field(default=None, ge=1)
-    """The longest an ended span waits before its batch is exported; unset: ``OTEL_BSP_SCHEDULE_DELAY``, else 5000."""
-
-    @field_validator("endpoint")
-    @classmethod
-    def _http(cls, value: str | None) -> str | None:
-        if value and not value.lower().startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL (OTLP over HTTP)")
-        return value
-
-
-class MetricsConfig(BaseModel):
-    """What ``GET /metrics`` labels the decision quality metrics by (``server.decision_metrics``)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    question_labels: int = Field(default=DEFAULT_QUESTION_LABELS, ge=0, le=MAX_QUESTION_LABELS)
-    """Question names (they come from clients) that get a label value of their own, per model: the first this many
-    distinct names a server process sees; every later one is counted as ``_other``. 0: every question is ``_other``
-    (per-model series only).
-    """
 
 
 class LearningConfig(BaseModel):

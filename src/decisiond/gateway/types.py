@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, Union
 
 from ..canonical import DecisionRequest, DecisionResult, ScoreRequest, ScoreResult, Usage
+from .access_settings import RateLimitConfig
 from .chat import ChatRequest, ChatResult
-from .settings import RateLimitConfig
 
 Operation = Literal["decide", "score", "chat"]
 Request = Union[DecisionRequest, ScoreRequest, ChatRequest]

@@ -40,20 +40,20 @@ from pydantic import AwareDatetime, Field, field_validator, model_validator
 from ..dialects.common import StrictModel, validate_body
 from ..errors import DecisionError, InvalidRequest, NotFound, Unavailable
 from ..gateway import decisions, profile_learning, profile_store, usage
+from ..gateway.access_settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.service import Gateway
-from ..gateway.settings import BudgetConfig, RateLimitConfig, check_user_path
 from ..gateway.stages.budget_ledger import BudgetView
 from ..gateway.stages.budget_store import BudgetStore
 from ..gateway.types import Caller
 from ..limits import AUDIT_PAGE_MAX, QUALITY_DECISIONS_MAX
 from ..store.db import Database
 from ..store.keys import KeyStore
+from .boundary import OpenAIRoute
 from .console_session import admin_caller
 from .payload import read_payload
-from .routes import openai_error
 
-router = APIRouter(prefix="/admin")
-self_service = APIRouter()
+router = APIRouter(prefix="/admin", route_class=OpenAIRoute)
+self_service = APIRouter(route_class=OpenAIRoute)
 
 ADMIN_BODY_LIMIT = 64 * 1024
 MAX_MODEL_PATTERNS = 100
@@ -104,14 +104,11 @@ async def _store(request: Request) -> KeyStore:
 
 @router.post("/keys")
 async def create_key(request: Request) -> JSONResponse:
-    try:
-        store = await _store(request)
-        payload = await read_payload(request, ADMIN_BODY_LIMIT)
-        body = validate_body(KeyCreate, payload.document)
-        gateway: Gateway = request.app.state.gateway
-        gateway.guardrails.check_names(body.guardrails)
-    except DecisionError as error:
-        return openai_error(error)
+    store = await _store(request)
+    payload = await read_payload(request, ADMIN_BODY_LIMIT)
+    body = validate_body(KeyCreate, payload.document)
+    gateway: Gateway = request.app.state.gateway
+    gateway.guardrails.check_names(body.guardrails)
     record, key = await store.create(
         body.name, body.user_path, body.models,
         body.rate_limits.model_dump(exclude_defaults=True) if body.rate_limits is not None else None, body.expiry(),
@@ -121,22 +118,16 @@ async def create_key(request: Request) -> JSONResponse:
 
 @router.get("/keys")
 async def list_keys(request: Request) -> Any:
-    try:
-        store = await _store(request)
-    except DecisionError as error:
-        return openai_error(error)
+    store = await _store(request)
     return {"object": "list", "data": [r.public() for r in await store.list()]}
 
 
 @router.delete("/keys/{key_id}")
 async def revoke_key(request: Request, key_id: str) -> Any:
-    try:
-        store = await _store(request)
-        record = await store.revoke(key_id)
-        if record is None:
-            raise NotFound(f"no API key with id {key_id[:40]!r}", ("id",), code="key_not_found")
-    except DecisionError as error:
-        return openai_error(error)
+    store = await _store(request)
+    record = await store.revoke(key_id)
+    if record is None:
+        raise NotFound(f"no API key with id {key_id[:40]!r}", ("id",), code="key_not_found")
     gateway: Gateway = request.app.state.gateway
     gateway.auth.forget()
     return record.public()
@@ -210,11 +201,8 @@ def _group_by(params: Any) -> list[str]:
 
 async def _grouped(request: Request, query: Callable[..., Awaitable[Any]]) -> Any:
     """A usage report (``usage.summary`` or ``usage.daily``) grouped and filtered as the query string says."""
-    try:
-        db, budgets = await _master_db(request)
-        groups, where = _group_by(request.query_params), _filter(request.query_params)
-    except DecisionError as error:
-        return openai_error(error)
+    db, budgets = await _master_db(request)
+    groups, where = _group_by(request.query_params), _filter(request.query_params)
     return {"object": "list", "group_by": groups, "data": await query(db, groups, where)}
 
 
@@ -231,50 +219,38 @@ async def usage_daily(request: Request) -> Any:
 @router.get("/audit")
 async def audit_log(request: Request) -> Any:
     params = request.query_params
-    try:
-        db, budgets = await _master_db(request)
-        where = _filter(params)
-        limit, before = params.get("limit", "100"), params.get("before_id")
-        if not limit.isdigit() or not 1 <= int(limit) <= AUDIT_PAGE_MAX:
-            raise _bad("limit", f"must be an integer from 1 to {AUDIT_PAGE_MAX}")
-        if before is not None and not before.isdigit():
-            raise _bad("before_id", "must be a row id from next_before_id")
-    except DecisionError as error:
-        return openai_error(error)
+    db, budgets = await _master_db(request)
+    where = _filter(params)
+    limit, before = params.get("limit", "100"), params.get("before_id")
+    if not limit.isdigit() or not 1 <= int(limit) <= AUDIT_PAGE_MAX:
+        raise _bad("limit", f"must be an integer from 1 to {AUDIT_PAGE_MAX}")
+    if before is not None and not before.isdigit():
+        raise _bad("before_id", "must be a row id from next_before_id")
     rows, following = await usage.audit(db, where, int(limit), int(before) if before else None)
     return {"object": "list", "data": rows, "next_before_id": following}
 
 
 @router.get("/budgets")
 async def list_budgets(request: Request) -> Any:
-    try:
-        db, budgets = await _master_db(request)
-    except DecisionError as error:
-        return openai_error(error)
+    db, budgets = await _master_db(request)
     budgets.forget()
     return {"object": "list", "data": await _spend(request, await budgets.budgets())}
 
 
 @router.put("/budgets")
 async def put_budget(request: Request) -> Any:
-    try:
-        db, budgets = await _master_db(request)
-        payload = await read_payload(request, ADMIN_BODY_LIMIT)
-        body = validate_body(BudgetConfig, payload.document)
-    except DecisionError as error:
-        return openai_error(error)
+    db, budgets = await _master_db(request)
+    payload = await read_payload(request, ADMIN_BODY_LIMIT)
+    body = validate_body(BudgetConfig, payload.document)
     view = await budgets.put(body, "admin")
     return (await _spend(request, [view]))[0]
 
 
 @router.delete("/budgets/{budget_id}")
 async def delete_budget(request: Request, budget_id: str) -> Any:
-    try:
-        db, budgets = await _master_db(request)
-        if not await budgets.delete(budget_id):
-            raise NotFound(f"no budget with id {budget_id[:40]!r}", ("id",), code="budget_not_found")
-    except DecisionError as error:
-        return openai_error(error)
+    db, budgets = await _master_db(request)
+    if not await budgets.delete(budget_id):
+        raise NotFound(f"no budget with id {budget_id[:40]!r}", ("id",), code="budget_not_found")
     return {"id": budget_id, "deleted": True}
 
 
@@ -282,10 +258,7 @@ async def delete_budget(request: Request, budget_id: str) -> Any:
 async def own_usage(request: Request) -> Any:
     """The caller's own spend, budgets and rate-limit counters (any key)."""
     gateway: Gateway = request.app.state.gateway
-    try:
-        caller: Caller = await gateway.auth.authenticate(request.headers)
-    except DecisionError as error:
-        return openai_error(error)
+    caller: Caller = await gateway.auth.authenticate(request.headers)
     out: dict[str, Any] = {"object": "usage", "key": caller.key_id, "user_path": caller.user_path,
                            "rate_limits": await gateway.limiter.counters(caller)}
     db, budgets = gateway.db, gateway.budgets
@@ -297,7 +270,7 @@ async def own_usage(request: Request) -> Any:
         mine = [b for b in await budgets.budgets() if b.model is None and b.applies(caller, ())]
         out["budgets"] = await _spend(request, mine)
     except Exception:
-        return openai_error(Unavailable("usage is unavailable: the database cannot be reached", code="no_database"))
+        raise Unavailable("usage is unavailable: the database cannot be reached", code="no_database") from None
     return out
 async def _master(request: Request) -> Gateway:
     """The gateway, for the master key (or a console session) only."""
@@ -310,22 +283,19 @@ async def _master(request: Request) -> Gateway:
 async def quality(request: Request) -> Any:
     """The quality of a stored model's answers against their labels, per question (``gateway.decisions.report``),
     over its newest ``QUALITY_DECISIONS_MAX`` stored decisions since ``since``."""
-    try:
-        gateway = await _master(request)
-        model = request.query_params.get("model")
-        if not model:
-            raise _bad("model", "name the model: ?model=<a model or virtual model with store: true>")
-        if model not in gateway.stored_models:
-            raise _bad("model", f"{model[:100]!r} keeps no decisions (models with store: true: "
-                                f"{', '.join(sorted(gateway.stored_models)) or 'none'})")
-        if gateway.decisions is None:
-            raise Unavailable("stored decisions need a database; none is open")
-        since = _time(request.query_params, "since")
-        user_path = _user_path(request.query_params, "user_path") or "/"
-        rows = await gateway.decisions.since(model, since, QUALITY_DECISIONS_MAX)
-        learned = await _profiles(gateway).listing(model)
-    except DecisionError as error:
-        return openai_error(error)
+    gateway = await _master(request)
+    model = request.query_params.get("model")
+    if not model:
+        raise _bad("model", "name the model: ?model=<a model or virtual model with store: true>")
+    if model not in gateway.stored_models:
+        raise _bad("model", f"{model[:100]!r} keeps no decisions (models with store: true: "
+                            f"{', '.join(sorted(gateway.stored_models)) or 'none'})")
+    if gateway.decisions is None:
+        raise Unavailable("stored decisions need a database; none is open")
+    since = _time(request.query_params, "since")
+    user_path = _user_path(request.query_params, "user_path") or "/"
+    rows = await gateway.decisions.since(model, since, QUALITY_DECISIONS_MAX)
+    learned = await _profiles(gateway).listing(model)
     report = decisions.report(model, rows)
     active = [row for row in learned if row.active and row.model == model]
     for question in report["questions"]:
@@ -374,14 +344,11 @@ async def learn(request: Request) -> Any:
     """Learn from a stored model's labels (``gateway.profile_learning.learn_model``): per target, question and scope,
     the candidates' cross-validated metrics and the profile accepted, if any; this process serves it at once, the
     other replicas within ``learning.refresh_s``."""
-    try:
-        gateway = await _master(request)
-        body = validate_body(LearnBody, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
-        model = profile_store.check_model(body.model, gateway.stored_models)
-        report = await profile_learning.learn_model(_profiles(gateway), model)
-        await gateway.read_profiles()
-    except DecisionError as error:
-        return openai_error(error)
+    gateway = await _master(request)
+    body = validate_body(LearnBody, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
+    model = profile_store.check_model(body.model, gateway.stored_models)
+    report = await profile_learning.learn_model(_profiles(gateway), model)
+    await gateway.read_profiles()
     return report
 
 
@@ -389,12 +356,9 @@ async def learn(request: Request) -> Any:
 async def list_profiles(request: Request) -> Any:
     """The learned profiles, newest first (``?model=``: those learned from, or serving, that name; ``?scope=``: those
     of that scope)."""
-    try:
-        gateway = await _master(request)
-        scope = _user_path(request.query_params, "scope")
-        rows = await _profiles(gateway).listing(request.query_params.get("model"), scope)
-    except DecisionError as error:
-        return openai_error(error)
+    gateway = await _master(request)
+    scope = _user_path(request.query_params, "scope")
+    rows = await _profiles(gateway).listing(request.query_params.get("model"), scope)
     return {"object": "list", "data": [profile_store.describe(row) for row in rows]}
 
 
@@ -403,31 +367,22 @@ async def put_profile(request: Request, profile_id: str) -> Any:
     """``{"active": false}`` rolls a profile back within its scope (the one it replaced there is served again, else
     what serves the scope above it); ``{"active": true}`` serves an accepted profile again in its scope.
     ``active_for_question``: the profile of that scope active now (None: none)."""
-    try:
-        gateway = await _master(request)
-        body = validate_body(ProfileUpdate, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
-        store = _profiles(gateway)
-        now_active = await store.set_active(profile_id, body.active)
-        await gateway.read_profiles()
-        row = await store.get(profile_id)
-    except DecisionError as error:
-        return openai_error(error)
+    gateway = await _master(request)
+    body = validate_body(ProfileUpdate, (await read_payload(request, ADMIN_BODY_LIMIT)).document)
+    store = _profiles(gateway)
+    now_active = await store.set_active(profile_id, body.active)
+    await gateway.read_profiles()
+    row = await store.get(profile_id)
     return {**profile_store.describe(row), "active_for_question": now_active}
 
 
 @router.get("/cache")
 async def cache_stats(request: Request) -> Any:
-    try:
-        gateway = await _master(request)
-    except DecisionError as error:
-        return openai_error(error)
+    gateway = await _master(request)
     return await gateway.cache.stats()
 
 
 @router.delete("/cache")
 async def cache_clear(request: Request) -> Any:
-    try:
-        gateway = await _master(request)
-    except DecisionError as error:
-        return openai_error(error)
+    gateway = await _master(request)
     return await gateway.cache.clear()

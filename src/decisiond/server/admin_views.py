@@ -21,15 +21,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import DecisionError, NotFound, Unavailable
+from ..errors import NotFound, Unavailable
 from ..gateway import decisions, usage
 from ..gateway.service import Gateway
 from ..limits import BATCH_LIST_MAX, QUALITY_DECISIONS_MAX
 from .admin import _bad, _filter, _group_by, _master, _master_db, _time
 from .batch_api import _limit, _page, _runner, batch_object, cancel
-from .routes import openai_error
+from .boundary import OpenAIRoute
 
-router = APIRouter(prefix="/admin")
+router = APIRouter(prefix="/admin", route_class=OpenAIRoute)
 
 SERIES_ROWS_MAX = 20_000
 DEFAULT_SPAN = {"minute": timedelta(hours=6), "hour": timedelta(days=7), "day": timedelta(days=90)}
@@ -47,12 +47,9 @@ def _bucket(params: Any, allowed: tuple[str, ...], default: str) -> str:
 async def usage_series(request: Request) -> Any:
     """Usage over time (module docstring)."""
     params = request.query_params
-    try:
-        db, _ = await _master_db(request)
-        bucket = _bucket(params, tuple(usage.BUCKETS), "hour")
-        groups, where = _group_by(params), _filter(params)
-    except DecisionError as error:
-        return openai_error(error)
+    db, _ = await _master_db(request)
+    bucket = _bucket(params, tuple(usage.BUCKETS), "hour")
+    groups, where = _group_by(params), _filter(params)
     if where.start is None:
         where.start = datetime.now(timezone.utc) - DEFAULT_SPAN[bucket]
     rows = await usage.series(db, bucket, groups, where, SERIES_ROWS_MAX + 1)
@@ -65,19 +62,16 @@ async def usage_series(request: Request) -> Any:
 async def quality_series(request: Request) -> Any:
     """A stored model's quality over time (module docstring)."""
     params = request.query_params
-    try:
-        gateway: Gateway = await _master(request)
-        model = params.get("model")
-        if not model or model not in gateway.stored_models:
-            raise _bad("model", f"{(model or '')[:100]!r} keeps no decisions (models with store: true: "
-                                f"{', '.join(sorted(gateway.stored_models)) or 'none'})")
-        bucket = _bucket(params, tuple(QUALITY_BUCKETS), "day")
-        since = _time(params, "since")
-        if gateway.decisions is None:
-            raise Unavailable("stored decisions need a database; none is open")
-        rows = await gateway.decisions.timed(model, since, QUALITY_DECISIONS_MAX)
-    except DecisionError as error:
-        return openai_error(error)
+    gateway: Gateway = await _master(request)
+    model = params.get("model")
+    if not model or model not in gateway.stored_models:
+        raise _bad("model", f"{(model or '')[:100]!r} keeps no decisions (models with store: true: "
+                            f"{', '.join(sorted(gateway.stored_models)) or 'none'})")
+    bucket = _bucket(params, tuple(QUALITY_BUCKETS), "day")
+    since = _time(params, "since")
+    if gateway.decisions is None:
+        raise Unavailable("stored decisions need a database; none is open")
+    rows = await gateway.decisions.timed(model, since, QUALITY_DECISIONS_MAX)
     return {"object": "decision.quality_series", "model": model, "bucket": bucket,
             "since": since.isoformat() if since else None, "questions": _per_bucket(rows, QUALITY_BUCKETS[bucket])}
 
@@ -104,27 +98,21 @@ def _admin_batch(row: Any) -> dict[str, Any]:
 @router.get("/batches")
 async def list_batches(request: Request) -> Any:
     """Every key's batches, newest first, a page at a time (``limit``, ``after``)."""
-    try:
-        await _master(request)
-        store = _runner(request).store
-        limit = _limit(request.query_params.get("limit"), 20, BATCH_LIST_MAX)
-        rows = await store.batches(None, True, request.query_params.get("after"), limit)
-    except DecisionError as error:
-        return openai_error(error)
+    await _master(request)
+    store = _runner(request).store
+    limit = _limit(request.query_params.get("limit"), 20, BATCH_LIST_MAX)
+    rows = await store.batches(None, True, request.query_params.get("after"), limit)
     return JSONResponse(_page(rows, limit, _admin_batch))
 
 
 @router.post("/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> Any:
     """Cancel any key's batch: ``cancelling`` at once, ``cancelled`` once its runner has stopped it."""
-    try:
-        await _master(request)
-        runner = _runner(request)
-        row = await runner.store.batch(batch_id)
-        if row is None:
-            raise NotFound(f"No such Batch object: {batch_id[:100]}", ("batch_id",), code="batch_not_found")
-        row = await cancel(runner, row)
-    except DecisionError as error:
-        return openai_error(error)
+    await _master(request)
+    runner = _runner(request)
+    row = await runner.store.batch(batch_id)
+    if row is None:
+        raise NotFound(f"No such Batch object: {batch_id[:100]}", ("batch_id",), code="batch_not_found")
+    row = await cancel(runner, row)
     return JSONResponse(_admin_batch(row))
 

@@ -1,12 +1,11 @@
 """The FastAPI app: ``create_app`` assembles the decision routes (``routes``), the small GET routes (``pages``),
 admin (``admin``, ``admin_views``), the operator's console (``console``), chat, the Files and Batch APIs
 (``batch_api``, run by ``batch_runner``) and MCP behind the request middleware (``middleware``), and owns the app's
-lifespan; ``Settings`` are the server's body limits."""
+lifespan; its ``Settings`` (``settings``) are the server's body limits."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -17,7 +16,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..gateway.router import Router
 from ..gateway.service import Gateway
-from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..store.batches import BatchStore, default_folder
 from ..version import __version__
 from . import admin, admin_views, batch_api, chat, console, labels, pages
@@ -29,14 +27,7 @@ from .guard import AccessGuard
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import RequestContext
 from .routes import ROUTES, decision_asgi, endpoint
-
-
-@dataclass
-class Settings:
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    body_read_timeout: float = BODY_READ_TIMEOUT_S
-    # The address served on (``serve --host``): a name a server without keys answers to (``guard``).
-    host: str | None = None
+from .settings import Settings
 
 
 def create_app(router: Router, settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
@@ -101,8 +92,8 @@ def _batch_runner(gateway: Gateway) -> BatchRunner | None:
 class App(FastAPI):
     """The FastAPI app, with one shortcut: a ``POST`` to a decision route (``routes.ROUTES``) goes straight to its
     endpoint through decisiond's own three middlewares (request id and access line, metrics, access guard), not
-    through FastAPI's routing and exception layers, which it never needed (its endpoint answers every error itself)
-    and which were a fifth of its cost. Its OpenAPI schema is FastAPI's as for any route."""
+    through FastAPI's routing and exception layers: its endpoint answers every error itself, in the caller's dialect
+    (why: ``benchmarks/SERVER_NOTES.md``). Its OpenAPI schema is FastAPI's as for any route."""
 
     direct: dict[str, ASGIApp] = {}
 

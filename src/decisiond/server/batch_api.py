@@ -51,11 +51,13 @@ from ..limits import (
 from ..store.quotas import Quota, add_within, check_room
 from ..store.tables import BatchJob, StoredFile
 from . import files_fs
-from .batch_runner import ENDPOINTS, BatchRunner
+from .batch_lines import ENDPOINTS
+from .batch_runner import BatchRunner
+from .boundary import OpenAIRoute
 from .payload import read_payload, too_large
-from .routes import authenticate, openai_error
+from .routes import authenticate
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=OpenAIRoute)
 
 BATCH_BODY_LIMIT = 64 * 1024
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
@@ -128,69 +130,53 @@ async def create_file(request: Request) -> JSONResponse:
 
 
 async def _create_file(request: Request) -> JSONResponse:
+    caller = await authenticate(request)
+    runner = _runner(request)
+    form = await _form(request, runner.config.max_file_bytes)
     try:
-        caller = await authenticate(request)
-        runner = _runner(request)
-        form = await _form(request, runner.config.max_file_bytes)
-        try:
-            row = await _stored_upload(runner, caller, form, request.app.state.settings.max_body_bytes)
-        finally:
-            for _, value in form.multi_items():
-                if isinstance(value, UploadFile):
-                    await value.close()
-    except DecisionError as error:
-        return openai_error(error)
+        row = await _stored_upload(runner, caller, form, request.app.state.settings.max_body_bytes)
+    finally:
+        for _, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                await value.close()
     return JSONResponse(file_object(row))
 
 
 @router.get("/files")
 async def list_files(request: Request) -> JSONResponse:
-    try:
-        caller = await authenticate(request)
-        store = _runner(request).store
-        query = request.query_params
-        limit = _limit(query.get("limit"), FILE_LIST_MAX, FILE_LIST_MAX)
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise invalid("order must be 'asc' or 'desc'", "order")
-        rows = await store.files(caller.key_id, caller.key_id is None, query.get("purpose"), query.get("after"),
-                                 limit, order == "desc")
-    except DecisionError as error:
-        return openai_error(error)
+    caller = await authenticate(request)
+    store = _runner(request).store
+    query = request.query_params
+    limit = _limit(query.get("limit"), FILE_LIST_MAX, FILE_LIST_MAX)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order must be 'asc' or 'desc'", "order")
+    rows = await store.files(caller.key_id, caller.key_id is None, query.get("purpose"), query.get("after"),
+                             limit, order == "desc")
     return JSONResponse(_page(rows, limit, file_object))
 
 
 @router.get("/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> JSONResponse:
-    try:
-        _, row = await _owned_file(request, file_id)
-    except DecisionError as error:
-        return openai_error(error)
+    _, row = await _owned_file(request, file_id)
     return JSONResponse(file_object(row))
 
 
 @router.get("/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    try:
-        runner, row = await _owned_file(request, file_id)
-    except DecisionError as error:
-        return openai_error(error)
+    runner, row = await _owned_file(request, file_id)
     path = runner.store.path(row)
     if not path.exists():
-        return openai_error(NotFound(f"the content of {file_id} is gone from the files folder", ("file_id",),
-                               code="file_not_found"))
+        raise NotFound(f"the content of {file_id} is gone from the files folder", ("file_id",), code="file_not_found")
     return FileResponse(path, media_type="application/jsonl", filename=row.filename)
 
 
 @router.delete("/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> JSONResponse:
-    try:
-        runner, row = await _owned_file(request, file_id)
-        if await runner.store.in_use(row.id):
-            raise InvalidRequest(f"the file {row.id} is the input of a batch that is not done: cancel the batch "
-                                 "first", ("file_id",), code="file_in_use", status=409)
-    except DecisionError as error:
-        return openai_error(error)
+    runner, row = await _owned_file(request, file_id)
+    if await runner.store.in_use(row.id):
+        raise InvalidRequest(f"the file {row.id} is the input of a batch that is not done: cancel the batch "
+                             "first", ("file_id",), code="file_in_use", status=409)
     await runner.store.delete_file(row.id)
     return JSONResponse({"id": row.id, "object": "file", "deleted": True})
 
@@ -419,60 +405,48 @@ async def create_batch(request: Request) -> JSONResponse:
 
 
 async def _create_batch(request: Request) -> JSONResponse:
-    try:
-        caller = await authenticate(request)
-        runner = _runner(request)
-        payload = await read_payload(request, BATCH_BODY_LIMIT)
-        body = validate_body(BatchCreate, payload.document)
-        source = await runner.store.file(body.input_file_id)
-        if source is None or not _sees(caller, source.key_id):
-            raise invalid(f"no file {body.input_file_id!r}: upload it with POST /v1/files first", "input_file_id",
-                          code="file_not_found")
-        if source.purpose != "batch":
-            raise invalid(f"the file {source.id} is a {source.purpose} file, not a batch input", "input_file_id")
-        now = int(runner.clock())
-        row = BatchJob(id="batch_" + secrets.token_hex(12), key_id=caller.key_id, user_path=caller.user_path,
-                       master=caller.master, input_file_id=source.id, endpoint=body.endpoint,
-                       completion_window=body.completion_window, status="validating", batch_metadata=body.metadata,
-                       errors=None, total=source.lines, completed=0, failed=0, input_tokens=0, cached_tokens=0,
-                       output_tokens=0, next_line=0, created_at=now,
-                       expires_at=now + COMPLETION_WINDOWS[body.completion_window],
-                       output_expires_s=body.output_expires_after.seconds if body.output_expires_after else None)
-        await runner.store.add_batch(row)
-    except DecisionError as error:
-        return openai_error(error)
+    caller = await authenticate(request)
+    runner = _runner(request)
+    payload = await read_payload(request, BATCH_BODY_LIMIT)
+    body = validate_body(BatchCreate, payload.document)
+    source = await runner.store.file(body.input_file_id)
+    if source is None or not _sees(caller, source.key_id):
+        raise invalid(f"no file {body.input_file_id!r}: upload it with POST /v1/files first", "input_file_id",
+                      code="file_not_found")
+    if source.purpose != "batch":
+        raise invalid(f"the file {source.id} is a {source.purpose} file, not a batch input", "input_file_id")
+    now = int(runner.clock())
+    row = BatchJob(id="batch_" + secrets.token_hex(12), key_id=caller.key_id, user_path=caller.user_path,
+                   master=caller.master, input_file_id=source.id, endpoint=body.endpoint,
+                   completion_window=body.completion_window, status="validating", batch_metadata=body.metadata,
+                   errors=None, total=source.lines, completed=0, failed=0, input_tokens=0, cached_tokens=0,
+                   output_tokens=0, next_line=0, created_at=now,
+                   expires_at=now + COMPLETION_WINDOWS[body.completion_window],
+                   output_expires_s=body.output_expires_after.seconds if body.output_expires_after else None)
+    await runner.store.add_batch(row)
     runner.wake()
     return JSONResponse(batch_object(row))
 
 
 @router.get("/batches")
 async def list_batches(request: Request) -> JSONResponse:
-    try:
-        caller = await authenticate(request)
-        store = _runner(request).store
-        limit = _limit(request.query_params.get("limit"), 20, BATCH_LIST_MAX)
-        rows = await store.batches(caller.key_id, caller.key_id is None, request.query_params.get("after"), limit)
-    except DecisionError as error:
-        return openai_error(error)
+    caller = await authenticate(request)
+    store = _runner(request).store
+    limit = _limit(request.query_params.get("limit"), 20, BATCH_LIST_MAX)
+    rows = await store.batches(caller.key_id, caller.key_id is None, request.query_params.get("after"), limit)
     return JSONResponse(_page(rows, limit, batch_object))
 
 
 @router.get("/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> JSONResponse:
-    try:
-        _, row = await _owned_batch(request, batch_id)
-    except DecisionError as error:
-        return openai_error(error)
+    _, row = await _owned_batch(request, batch_id)
     return JSONResponse(batch_object(row))
 
 
 @router.post("/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-    try:
-        runner, row = await _owned_batch(request, batch_id)
-        row = await cancel(runner, row)
-    except DecisionError as error:
-        return openai_error(error)
+    runner, row = await _owned_batch(request, batch_id)
+    row = await cancel(runner, row)
     return JSONResponse(batch_object(row))
 
 

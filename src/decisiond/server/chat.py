@@ -22,12 +22,13 @@ from ..errors import ClientGone, DecisionError, Timeout, invalid
 from ..gateway.chat import ROUTES, ChatRequest, ChatResult, Relay, Slot
 from ..gateway.service import Gateway
 from ..gateway.types import Context
+from .boundary import OpenAIRoute, openai_error
 from .middleware import INTERNAL_ERROR
 from .payload import read_payload
-from .routes import TIMEOUT_HEADER, authenticate, client_timeout, openai_error
+from .routes import TIMEOUT_HEADER, authenticate, client_timeout
 
 log = logging.getLogger("decisiond.chat")
-router = APIRouter()
+router = APIRouter(route_class=OpenAIRoute)
 
 _TEXT_PARTS = ("text", "input_text")
 
@@ -140,9 +141,9 @@ async def forward(request: Request, route: str) -> Response:
         caller = await authenticate(request)
         timeout = client_timeout(request)
         payload = await read_payload(request, settings.max_body_bytes, settings.body_read_timeout)
-    except DecisionError as error:
+    except DecisionError as error:  # answered by the route (``OpenAIRoute``); its code goes on the access line
         fields["error_code"] = error.code
-        return openai_error(error)
+        raise
     deadline = time.monotonic() + timeout if timeout is not None else None
     context = Context(request.state.request_id, "chat", dialect, caller, request_headers=request.headers,
                       deadline=deadline)

@@ -31,12 +31,25 @@ from ..errors import AuthenticationFailed, DecisionError, NotFound
 from ..gateway.console_settings import ConsoleConfig
 from ..gateway.service import Gateway
 from . import console_session as sessions
+from .boundary import AnsweringRoute, openai_error
 from .console_oidc import LoginState, OidcClient, OidcRefused
 from .pages import web_file
 from .payload import read_body
-from .routes import openai_error
+from .routes import caller_or_none
 
-router = APIRouter(prefix="/console")
+
+class ConsoleRoute(AnsweringRoute):
+    """A console route: errors in OpenAI's shape, except a refused sign-in that came as a plain form
+    (``request.state.sign_in_form``), sent back to the page by a 303 to ``/console?sign_in_error=<code>``."""
+
+    @staticmethod
+    def answer(error: DecisionError, request: Request) -> Response:
+        if getattr(request.state, "sign_in_form", False):
+            return RedirectResponse("/console?" + urlencode({"sign_in_error": error.code}), status_code=303)
+        return openai_error(error)
+
+
+router = APIRouter(prefix="/console", route_class=ConsoleRoute)
 log = logging.getLogger("decisiond.console")
 
 LOGIN_COOKIE = "decisiond_console_login"
@@ -77,10 +90,7 @@ def _signer(request: Request) -> sessions.Sessions:
 @router.get("", include_in_schema=False)
 async def page(request: Request) -> Response:
     """The console's page: static, no data; the same to everyone."""
-    try:
-        _config(request)
-    except DecisionError as error:
-        return openai_error(error)
+    _config(request)
     return Response(web_file("console.html"), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
@@ -89,15 +99,11 @@ async def current(request: Request) -> Any:
     """Who is signed in: ``{signed_in: true, subject, role, via, expires_at, csrf_token, stored_models, sign_in}``,
     or ``{signed_in: false, sign_in}`` (the ways to sign in: ``master_key``, ``oidc``). No secret: the CSRF token
     is of no use without the HttpOnly cookie, which a page of another origin can neither read nor send (SameSite)."""
-    try:
-        _config(request)
-    except DecisionError as error:
-        return openai_error(error)
+    _config(request)
     ways = ["master_key"] + (["oidc"] if request.app.state.console_oidc is not None else [])
     body: dict[str, Any] = {"object": "console.session", "signed_in": False, "sign_in": ways}
-    try:
-        session = sessions.session_of(request)
-    except DecisionError:
+    session = sessions.session_or_none(request)
+    if session is None:
         return JSONResponse(body, headers={"cache-control": "no-store"})
     gateway: Gateway = request.app.state.gateway
     body.update(signed_in=True, **session.public(), stored_models=sorted(gateway.stored_models))
@@ -122,22 +128,17 @@ async def _master_key(request: Request) -> tuple[str | None, bool]:
 @router.post("/login")
 async def login(request: Request) -> Response:
     """Sign in with the master key: the session cookie (role admin). Anything else, 401 naming ``master_key``."""
-    form = False
-    try:
-        config = _config(request)
-        limiter: sessions.SignInLimiter = request.app.state.console_limiter
-        address = sessions.client_address(request)
-        limiter.check(address)
-        key, form = await _master_key(request)
-        if not await _is_master(request, key):
-            limiter.failed(address)
-            log.warning("console sign-in refused", extra={"client": address, "via": "master_key"})
-            raise AuthenticationFailed("master_key: not the master key", ("master_key",), code="invalid_master_key")
-        token, session = _signer(request).issue("master", "admin", "master_key")
-    except DecisionError as error:
-        if form:
-            return RedirectResponse("/console?" + urlencode({"sign_in_error": error.code}), status_code=303)
-        return openai_error(error)
+    config = _config(request)
+    limiter: sessions.SignInLimiter = request.app.state.console_limiter
+    address = sessions.client_address(request)
+    limiter.check(address)
+    key, form = await _master_key(request)
+    request.state.sign_in_form = form  # from here on, a refusal goes back to the page (``ConsoleRoute``)
+    if not await _is_master(request, key):
+        limiter.failed(address)
+        log.warning("console sign-in refused", extra={"client": address, "via": "master_key"})
+        raise AuthenticationFailed("master_key: not the master key", ("master_key",), code="invalid_master_key")
+    token, session = _signer(request).issue("master", "admin", "master_key")
     log.info("console sign-in", extra={"subject": session.subject, "role": session.role, "via": session.via})
     response: Response = RedirectResponse("/console", status_code=303) if form else JSONResponse(
         {"object": "console.session", **session.public()})
@@ -148,23 +149,16 @@ async def login(request: Request) -> Response:
 async def _is_master(request: Request, key: str | None) -> bool:
     if not key or len(key) > 1024:
         return False
-    gateway: Gateway = request.app.state.gateway
-    try:
-        caller = await gateway.auth.authenticate({"authorization": f"Bearer {key}"})
-    except DecisionError:
-        return False
-    return caller.master
+    caller = await caller_or_none(request.app.state.gateway, {"authorization": f"Bearer {key}"})
+    return caller is not None and caller.master
 
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
     """Sign out: the session (with its CSRF token, from this origin) is forgotten and its cookie deleted."""
-    try:
-        _config(request)
-        session = sessions.session_of(request)
-        sessions.check_change(request, session, needs_admin=False)
-    except DecisionError as error:
-        return openai_error(error)
+    _config(request)
+    session = sessions.session_of(request)
+    sessions.check_change(request, session, needs_admin=False)
     _signer(request).revoke(session)
     log.info("console sign-out", extra={"subject": session.subject, "via": session.via})
     response = JSONResponse({"object": "console.session", "signed_out": True})
@@ -185,8 +179,6 @@ async def oidc_start(request: Request) -> Response:
         config = _config(request)
         request.app.state.console_limiter.check(sessions.client_address(request))
         url, login_state = await client.start(_redirect_uri(request, client))
-    except DecisionError as error:
-        return openai_error(error)
     except OidcRefused as refused:
         log.warning("console single sign-on unavailable", extra={"reason": refused.message})
         return RedirectResponse("/console?" + urlencode({"sign_in_error": refused.code}), status_code=303)
@@ -203,15 +195,12 @@ async def oidc_start(request: Request) -> Response:
 async def oidc_callback(request: Request) -> Response:
     """Back from the identity provider: the code is exchanged and its ID token checked (``console_oidc``); the
     session cookie, or ``/console?sign_in_error=<code>``."""
-    try:
-        client = _oidc(request)
-        config = _config(request)
-        limiter: sessions.SignInLimiter = request.app.state.console_limiter
-        address = sessions.client_address(request)
-        limiter.check(address)
-        signer = _signer(request)
-    except DecisionError as error:
-        return openai_error(error)
+    client = _oidc(request)
+    config = _config(request)
+    limiter: sessions.SignInLimiter = request.app.state.console_limiter
+    address = sessions.client_address(request)
+    limiter.check(address)
+    signer = _signer(request)
     try:
         identity = await _identity(request, client, signer)
     except OidcRefused as refused:

@@ -108,7 +108,8 @@ class Sessions:
 
     def issue(self, subject: str, role: str, via: str) -> tuple[str, Session]:
         """A new session's cookie value and the session."""
-        assert role in ROLES and via in ("master_key", "oidc")
+        if role not in ROLES or via not in ("master_key", "oidc"):
+            raise ValueError(f"no session of role {role!r} signed in by {via!r}")
         sid = secrets.token_urlsafe(18)
         token = self.sign({"sid": sid, "sub": subject, "role": role, "via": via}, "session", self.ttl_s)
         return token, self._session(sid, subject, role, via, int(self.clock()) + self.ttl_s)
@@ -177,11 +178,16 @@ def client_address(request: Request) -> str:
     return request.client.host if request.client is not None else "unknown"
 
 
-def session_of(request: Request) -> Session:
-    """The request's console session, or 401."""
+def session_or_none(request: Request) -> Session | None:
+    """The request's console session, or None (no cookie, or not a live session of this server)."""
     sessions: Sessions | None = request.app.state.console_sessions
     token = request.cookies.get(COOKIE)
-    session = sessions.read(token) if sessions is not None and token else None
+    return sessions.read(token) if sessions is not None and token else None
+
+
+def session_of(request: Request) -> Session:
+    """The request's console session, or 401."""
+    session = session_or_none(request)
     if session is None:
         raise AuthenticationFailed("No console session, or it has ended: sign in at /console.",
                                    code="console_session_required")

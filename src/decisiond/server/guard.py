@@ -20,11 +20,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..dialects import openai as openai_dialect
-from ..errors import DecisionError, PermissionDenied
+from ..errors import PermissionDenied
+from .boundary import REFUSED, refusing
 
 DOCS_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -55,13 +54,8 @@ class AccessGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        try:
-            await self._check(scope)
-        except DecisionError as error:
-            status, body = openai_dialect.render_error(error)
-            await JSONResponse(body, status_code=status, headers=error.headers or None)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+        if await refusing(self._check(scope), scope, receive, send) is not REFUSED:
+            await self.app(scope, receive, send)
 
     async def _check(self, scope: Scope) -> None:
         state: Any = scope["app"].state

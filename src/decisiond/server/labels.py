@@ -18,15 +18,16 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import DecisionError, InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound
 from ..gateway.decisions import DecisionStore, check_labels, label_scope
 from ..gateway.service import Gateway
 from ..gateway.types import Caller
 from ..store.tables import StoredDecision
+from .boundary import OpenAIRoute
 from .payload import read_payload
-from .routes import authenticate, openai_error
+from .routes import authenticate
 
-router = APIRouter(prefix="/v1/decisions")
+router = APIRouter(prefix="/v1/decisions", route_class=OpenAIRoute)
 
 LABELS_BODY_LIMIT = 64 * 1024
 WRITE_WAIT_S = 3.0
@@ -58,21 +59,15 @@ async def _decision(request: Request, request_id: str) -> tuple[DecisionStore, S
 
 @router.post("/{request_id}/labels")
 async def post_labels(request: Request, request_id: str) -> JSONResponse:
-    try:
-        store, row, caller = await _decision(request, request_id)
-        payload = await read_payload(request, LABELS_BODY_LIMIT)
-        labels = check_labels(row.questions, payload.document)
-        merged = await store.label(row.request_id, labels, label_scope(caller))
-    except DecisionError as error:
-        return openai_error(error)
+    store, row, caller = await _decision(request, request_id)
+    payload = await read_payload(request, LABELS_BODY_LIMIT)
+    labels = check_labels(row.questions, payload.document)
+    merged = await store.label(row.request_id, labels, label_scope(caller))
     return JSONResponse({"request_id": row.request_id, "object": "decision.labels", "labels": merged})
 
 
 @router.delete("/{request_id}")
 async def delete_decision(request: Request, request_id: str) -> JSONResponse:
-    try:
-        store, row, _ = await _decision(request, request_id)
-        await store.delete(row.request_id)
-    except DecisionError as error:
-        return openai_error(error)
+    store, row, _ = await _decision(request, request_id)
+    await store.delete(row.request_id)
     return JSONResponse({"id": row.request_id, "object": "decision", "deleted": True})

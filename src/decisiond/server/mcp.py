@@ -17,7 +17,6 @@ from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..dialects import openai as openai_dialect
@@ -28,6 +27,7 @@ from ..gateway.types import Caller
 from ..library.answers import Decision
 from ..limits import BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..version import __version__
+from .boundary import Refused, refusing
 from .payload import read_body
 
 INSTRUCTIONS = (
@@ -113,20 +113,24 @@ class KeyedEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                caller = await self.gateway.auth.authenticate(Headers(scope=scope))
-                if scope.get("method") == "POST":
-                    body = await read_body(Request(scope, receive), self.max_body_bytes, self.body_read_timeout)
-                    receive = _replay(body, receive)
-            except DecisionError as error:
-                status, rendered = openai_dialect.render_error(error)
-                await JSONResponse(rendered, status_code=status, headers=error.headers or None)(scope, receive, send)
-                return
+                admitted = await refusing(self._admit(scope, receive), scope, receive, send)
             except ClientDisconnect:
                 return
+            if isinstance(admitted, Refused):
+                return
+            caller, receive = admitted
             fields = scope.get("state", {}).get("log")
             if isinstance(fields, dict) and caller.key_id is not None:
                 fields["key_id"] = caller.key_id
         await self.app(scope, receive, send)
+
+    async def _admit(self, scope: Scope, receive: Receive) -> tuple[Caller, Receive]:
+        """The caller, and a ``receive`` that hands the body over again once it is read (a POST's)."""
+        caller = await self.gateway.auth.authenticate(Headers(scope=scope))
+        if scope.get("method") == "POST":
+            body = await read_body(Request(scope, receive), self.max_body_bytes, self.body_read_timeout)
+            receive = _replay(body, receive)
+        return caller, receive
 
 
 def http_endpoint(server: MCPServer, gateway: Gateway, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -11,17 +11,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..dialects import openai as openai_dialect
 from ..dialects import systemone as systemone_dialect
-from ..errors import DecisionError
 from ..gateway.router import Router
 from ..gateway.service import Gateway
 from ..gateway.stages.allowlist import allowed
 from ..version import __version__
+from .boundary import OpenAIRoute
 from .metrics import CONTENT_TYPE, Metrics
-from .routes import authenticate, error_response
+from .routes import authenticate, caller_or_none
 
-router = APIRouter()
+router = APIRouter(route_class=OpenAIRoute)
 
 # The playground's files, shipped in the package (web/).
 WEB_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
@@ -38,10 +37,7 @@ def web_file(name: str) -> bytes:
 @router.get("/v1/models")
 async def models(request: Request, capability: str | None = None) -> Any:
     served: Router = request.app.state.router
-    try:
-        caller = await authenticate(request)
-    except DecisionError as error:
-        return error_response(openai_dialect.render_error(error), error.headers)
+    caller = await authenticate(request)
     listed = [m for m in served.catalog.model_list(capability) if allowed(served.catalog, caller, m.name)]
     if request.headers.get("x-typesafe-sdk"):
         # The TypeSafe SDK reads {"models": [{name, description, release_date}]}: decision models only.
@@ -61,11 +57,8 @@ async def health(request: Request) -> dict[str, Any]:
     """Liveness for anyone; the models and version only for a caller with a key (or when no keys are configured)."""
     served: Router = request.app.state.router
     gateway: Gateway = request.app.state.gateway
-    if gateway.auth.enabled:
-        try:
-            await gateway.auth.authenticate(request.headers)
-        except DecisionError:
-            return {"status": "ok"}
+    if gateway.auth.enabled and await caller_or_none(gateway, request.headers) is None:
+        return {"status": "ok"}
     return {"status": "ok", "models": [m.name for m in served.catalog.model_list()], "version": __version__}
 
 
@@ -90,12 +83,9 @@ async def metrics_route(request: Request) -> Response:
     """Prometheus text; the master key when keys are configured (it shows every caller's traffic)."""
     gateway: Gateway = request.app.state.gateway
     metrics: Metrics = request.app.state.metrics
-    try:
-        caller = await authenticate(request)
-        if gateway.auth.enabled:
-            gateway.auth.require_master(caller)
-    except DecisionError as error:
-        return error_response(openai_dialect.render_error(error), error.headers)
+    caller = await authenticate(request)
+    if gateway.auth.enabled:
+        gateway.auth.require_master(caller)
     if metrics.label_quality is not None:
         await metrics.label_quality.refresh()
     return Response(metrics.render(), media_type=CONTENT_TYPE)

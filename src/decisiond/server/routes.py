@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -29,11 +30,10 @@ from ..gateway.profiles import PROFILE_HEADER
 from ..gateway.service import Gateway
 from ..gateway.types import Caller, Context
 from ..limits import MAX_CLIENT_TIMEOUT_MS
+from .boundary import error_response
 from .middleware import INTERNAL_ERROR
 from .payload import Payload, read_payload
-
-if TYPE_CHECKING:
-    from .app import Settings
+from .settings import Settings
 
 log = logging.getLogger("decisiond.server")
 T = TypeVar("T")
@@ -108,18 +108,6 @@ def decision_asgi(route: DecisionRoute) -> Callable[[Scope, Receive, Send], Awai
     return app
 
 
-def error_response(rendered: tuple[int, dict[str, Any]], *header_sets: dict[str, str]) -> JSONResponse:
-    status, body = rendered
-    headers = {k: v for h in header_sets for k, v in h.items()}
-    return JSONResponse(body, status_code=status, headers=headers or None)
-
-
-def openai_error(error: DecisionError, *header_sets: dict[str, str]) -> JSONResponse:
-    """``error`` as the OpenAI-shaped routes answer it (admin, chat, files, batches, labels): its status and error
-    object, with ``header_sets`` and then the error's own headers."""
-    return error_response(openai_dialect.render_error(error), *header_sets, error.headers)
-
-
 async def authenticate(request: Request) -> Caller:
     """The caller, from the request's headers (in an ``auth`` span when the gateway traces); its key and user path go
     on the access line."""
@@ -131,6 +119,15 @@ async def authenticate(request: Request) -> Caller:
         fields["key_id"] = caller.key_id
     fields["user_path"] = caller.user_path
     return caller
+
+
+async def caller_or_none(gateway: Gateway, headers: Mapping[str, str]) -> Caller | None:
+    """The caller whose key ``headers`` carry, or None when they carry no valid one: for answers that say less to a
+    caller without a key, rather than refuse it."""
+    try:
+        return await gateway.auth.authenticate(headers)
+    except DecisionError:
+        return None
 
 
 async def serve(request: Request, route: DecisionRoute) -> JSONResponse:

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, delete, func, insert, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 
 from .db import Database, data_directory, sqlite_file
 from .db import database_url as database_url_of
+from .dialect import insert_ignoring_conflict, upsert
 from .processes import holder_gone
 from .tables import BatchJob, BatchResult, StoredFile
 
@@ -282,12 +282,9 @@ def put_results(connection: Connection, batch_id: str, lines: list[tuple[int, bo
     if not lines:
         return
     values = [{"batch_id": batch_id, "line": line, "ok": ok, "body": body} for line, ok, body in lines]
-    insert = (postgresql.insert if connection.dialect.name == "postgresql" else sqlite.insert)(BatchResult)
-    if replace:
-        statement = insert.on_conflict_do_update(index_elements=["batch_id", "line"],
-                                                 set_={"ok": insert.excluded.ok, "body": insert.excluded.body})
-    else:
-        statement = insert.on_conflict_do_nothing(index_elements=["batch_id", "line"])
+    dialect, key = connection.dialect.name, ["batch_id", "line"]
+    statement = (upsert(dialect, BatchResult, key, ["ok", "body"]) if replace
+                 else insert_ignoring_conflict(dialect, BatchResult, index_elements=key))
     connection.execute(statement, values)
 
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ...errors import AuthenticationFailed, InvalidRequest, PermissionDenied
 from ...store.keys import KeyRecord, KeyStore
-from ..settings import RateLimitConfig, StaticKeyConfig, check_user_path
+from ..access_settings import RateLimitConfig, StaticKeyConfig, check_user_path
 from ..types import Caller
 
 log = logging.getLogger("decisiond.auth")

@@ -25,7 +25,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
 from ...errors import BudgetExceeded, DecisionError
-from ..settings import BudgetConfig, in_subtree
+from ..access_settings import BudgetConfig, in_subtree
 from ..types import Caller
 
 NANO = 1_000_000_000

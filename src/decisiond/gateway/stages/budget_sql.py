@@ -19,11 +19,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import delete, insert, literal_column, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from ...store.db import Database
+from ...store.dialect import insert_ignoring_conflict
 from ...store.tables import Budget, BudgetReservation, BudgetWindow
 from ..types import Charge
 from .budget_ledger import BudgetGone, BudgetView, Grant, NoRoom
@@ -209,9 +208,8 @@ def _release_expired(connection: Connection, budget: str, start: int, ttl_ms: in
 def _locked_window(connection: Connection, budget: str, start: int) -> tuple[int, int]:
     """The window's (spent, reserved), made if missing, and locked for the rest of the transaction."""
     w = BudgetWindow
-    upsert = pg_insert if connection.dialect.name == "postgresql" else sqlite_insert
-    connection.execute(upsert(w).values(budget_id=budget, window_start=start, spent=0, reserved=0)
-                       .on_conflict_do_nothing())
+    connection.execute(insert_ignoring_conflict(connection.dialect.name, w, {
+        "budget_id": budget, "window_start": start, "spent": 0, "reserved": 0}))
     row = connection.execute(select(w.spent, w.reserved).where(w.budget_id == budget, w.window_start == start)
                              .with_for_update()).one()
     return int(row[0]), int(row[1])

@@ -16,13 +16,12 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from sqlalchemy import delete, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from ...limits import BUDGET_CACHE_S, BUDGET_DB_TIMEOUT_S
 from ...store.db import Database, aware
+from ...store.dialect import upsert
 from ...store.tables import Budget, BudgetReservation, BudgetWindow
-from ..settings import BudgetConfig
+from ..access_settings import BudgetConfig
 from .budget_ledger import BudgetView, Pending, budget_id, to_nano
 from .budget_sql import now_ms
 
@@ -91,9 +90,10 @@ class BudgetStore:
                   "limit_nanousd": to_nano(config.limit_usd), "period": config.period,
                   "period_seconds": config.period_seconds, "source": source}
         # One upsert: replicas (and the workers of one server) starting together write the config's budgets at once.
-        statement = self._insert()(Budget).values(id=ident, created_at=datetime.now(timezone.utc), **values)
+        statement = upsert(self.db.dialect, Budget, ["id"], list(values),
+                           {"id": ident, "created_at": datetime.now(timezone.utc), **values})
         async with self.db.session() as session, session.begin():
-            await session.execute(statement.on_conflict_do_update(index_elements=["id"], set_=values))
+            await session.execute(statement)
         self.forget()
         return BudgetView(ident, config.key, config.user_path, config.model, to_nano(config.limit_usd),
                           config.period, config.period_seconds, source)
@@ -132,6 +132,3 @@ class BudgetStore:
                 view["oldest_reservation_age_s"] = round(max(0.0, clock - min(held) / 1000), 3) if held else None
                 out.append(view)
         return out
-
-    def _insert(self) -> Any:
-        return pg_insert if self.db.dialect == "postgresql" else sqlite_insert

@@ -31,7 +31,7 @@ from ...errors import GuardrailBlocked, InvalidRequest, ServerError
 from ...limits import GUARDRAIL_JUDGE_MAX_CHARS
 from ..catalog import Catalog
 from ..chat import ChatRequest
-from ..settings import GuardrailConfig, unknown_guardrail
+from ..guardrail_settings import GuardrailConfig, unknown_guardrail
 from ..types import Context, Next
 
 log = logging.getLogger("decisiond.guardrails")

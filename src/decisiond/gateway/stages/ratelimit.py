@@ -32,7 +32,7 @@ from limits.aio.strategies import MovingWindowRateLimiter
 
 from ...errors import DecisionError, LimitExceeded, ProviderError, RateLimited, provider_error, retry_headers
 from ...limits import CONCURRENCY_SLOT_TTL_S
-from ..settings import RateLimitConfig, UserPathLimit, in_subtree
+from ..access_settings import RateLimitConfig, UserPathLimit, in_subtree
 from ..sizes import estimated_tokens
 from ..types import Caller, Context, Next
 
