@@ -269,21 +269,6 @@ def blocked(scheduler):
 def browser_factory():
     """``make(*chromium_args)`` → a headless Chromium driver (Debian ``chromium`` + ``chromium-driver``, selenium);
     the test quits it."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
-        from services import unavailable
+    from services import start_chromium
 
-        unavailable("chromium and chromedriver are not installed (Debian packages chromium, chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    def make(*args: str):
-        options = webdriver.ChromeOptions()
-        options.binary_location = chromium
-        for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                    "--disable-background-networking", "--no-first-run", *args):
-            options.add_argument(arg)
-        return webdriver.Chrome(service=Service(driver_path), options=options)
-
-    return make
+    return start_chromium

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import start_decisiond
-from services import unavailable
+from services import start_chromium
 
 MASTER = "playground-master-key-0123456789"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -27,23 +27,7 @@ def keyed_server(tiny_dir, tmp_path_factory):
 
 @pytest.fixture()
 def browser():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
-        unavailable("chromium and chromedriver are not installed (Debian packages chromium, chromium-driver)")
-    from selenium import webdriver
-    from selenium.common.exceptions import WebDriverException
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1500"):
-        options.add_argument(arg)
-    try:
-        driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    except WebDriverException as error:
-        unavailable(f"headless Chromium did not start: {error.msg}")
+    driver = start_chromium("--window-size=1400,1500")
     yield driver
     driver.quit()
 
