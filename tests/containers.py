@@ -67,9 +67,16 @@ class Podman:
             input: str | None = None) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(["podman", *RUNTIME, *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, input=input)
-        if check and done.returncode != 0:
-            raise RuntimeError(f"podman {' '.join(args[:3])} … exited {done.returncode}:\n{done.stderr[-3000:]}")
+        if check:
+            self.check(done)
         return done
+
+    @staticmethod
+    def check(done: subprocess.CompletedProcess[str]) -> None:
+        """Raise where ``done`` (a ``run`` with ``check=False``) failed, with what podman printed."""
+        if done.returncode != 0:
+            args = done.args[1 + len(RUNTIME):]
+            raise RuntimeError(f"podman {' '.join(args[:3])} … exited {done.returncode}:\n{done.stderr[-3000:]}")
 
     def exists(self, image: str) -> bool:
         return self.run("image", "exists", image, check=False).returncode == 0
@@ -186,8 +193,9 @@ def build_mounts(folder: Path) -> list[str]:
     return mounts + ["-v", f"{folder / 'pip.conf'}:/etc/pip.conf:ro"]
 
 
-# podman's storage losing a layer it has just written as a build commits a step (podman-container-tools/podman#24598, a flake
-# podman's own CI sees; met here once in a full run): the build is tried once more.
+# podman's storage losing a layer it has just written as a build commits a step
+# (podman-container-tools/podman#24598, a flake podman's own CI sees; met here once in a full run): the build is tried
+# once more.
 STORAGE_FLAKES = ("layer not known", "identifier is not a container")
 
 
@@ -201,8 +209,7 @@ def build(podman: Podman, variant: str, tag: str, cache: bool = True) -> float:
     done = podman.run(*args, check=False, timeout=1800)
     if done.returncode != 0 and any(flake in done.stderr for flake in STORAGE_FLAKES):
         done = podman.run(*args, check=False, timeout=1800)  # once more: podman's own flake, not the Containerfile
-    if done.returncode != 0:
-        raise RuntimeError(f"podman build of {variant} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    podman.check(done)
     return time.monotonic() - started
 
 
