@@ -10,6 +10,7 @@ import random
 
 import pytest
 from sqlalchemy import select, update
+from sqlalchemy.exc import DBAPIError
 
 from decisiond.errors import BudgetExceeded
 from decisiond.gateway.access_settings import BudgetConfig
@@ -226,7 +227,7 @@ def test_a_transaction_its_process_stalls_in_is_ended_and_its_locks_freed(postgr
                                                            "x:2:b"), BUDGET_DB_TIMEOUT_S)
                 waited = asyncio.get_running_loop().time() - began
                 assert grant.hold == "hold-second" and DATABASE_IDLE_TRANSACTION_S * 0.9 <= waited
-                with pytest.raises(Exception):  # its transaction is gone: the next statement finds the session ended
+                with pytest.raises(DBAPIError):  # its transaction is gone: the next statement finds the session ended
                     await connection.execute(select(1))
         finally:
             await stalled.aclose()
