@@ -3,7 +3,7 @@ same block in eager bf16 and in float32 (issue 57's second study): the first cal
 the largest error against the product of the bf16-rounded inputs with float32 outputs. Random weights of SmolLM2's
 shapes, 2 threads. ``dyn_auto``: ``mode="max-autotune", dynamic=True`` on a function taking the weights;
 ``freeze_mod_dyn_auto``: the same on a module, with ``inductor.config.freezing = True`` (the weights constants, the
-CPP GEMM template's condition). Findings: benchmarks/ENGINE_NOTES.md (2026-12-07, "what it costs end to end").
+CPP GEMM template's condition). Findings: benchmarks/ENGINE_NOTES.md (2026-12-07 (later), "The two kernels").
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/compiled_block_probe.py freeze_mod_dyn_auto
 """
