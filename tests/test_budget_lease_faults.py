@@ -385,6 +385,33 @@ def test_charges_written_with_their_acknowledgement_lost_give_no_room_back(env):
     run(env, body)
 
 
+def test_a_usage_write_whose_acknowledgement_is_lost_is_not_counted_twice_meanwhile(env):
+    """Between a usage write whose reply to COMMIT was lost and any retry, the budget's spend as this process reports
+    it (the ledger's, plus its own charges not yet written: ``LeaseBook.pending``, what ``spend_report`` adds) counts
+    each charge once: the writer reads its records back at once, under the same ``settling`` lock."""
+    if env.kind == "memory":
+        pytest.skip("the usage writer writes to a SQL database")
+
+    async def body() -> None:
+        view = await env.open(50 * W)
+        book = env.book()
+        writer = env.writer(book)
+        for r in [await book.admit([view], W) for _ in range(10)]:
+            writer.add(book.settle(r, COST))
+        await settled(env, book)  # no growth ahead under way: the next commit is the write's
+        env.lose_next()
+        with contextlib.suppress(DatabaseDown):
+            await writer.usage._drain()  # one try, no retry: it commits, and its reply is lost
+        spent, _ = await env.window(view)
+        assert spent == 10 * COST
+        assert spent + book.pending(view.id, view.window()[0]).spent == 10 * COST
+        await writer.flush()
+        await in_step(env, book)
+        await book.aclose()
+
+    run(env, body)
+
+
 def test_a_request_answered_again_gets_its_hold_back(env):
     async def body() -> None:
         view = await env.open(10 * W)

@@ -9,7 +9,9 @@ NOTHING``), with the budget charges the inserted rows carry (``stages.budget_led
 exactly once per request, in the transaction that records it), then deletes the segment. When the database cannot
 be reached or is busy (locked, a lock or statement timeout, a serialization failure, a dropped connection:
 ``store.db.transient``), the segments wait on disk and the write is retried whole with a growing pause (up to
-``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. At start, and
+``USAGE_RETRY_MAX_S``); requests go on being answered meanwhile. A write that failed with its outcome unknown (its
+reply to COMMIT lost) is read back at once: when all its records are there it is done, and its charges go to the lease
+book as found there already, so no spend report counts them twice while a retry waits. At start, and
 every ``USAGE_ORPHAN_SCAN_S``, the journals of processes that died are written the same way (a replay inserts a
 record that is already in the database no second time).
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import String, delete
+from sqlalchemy import String, delete, select
 from sqlalchemy.engine import Connection
 
 from ..errors import one_line
@@ -275,7 +277,14 @@ class UsageWriter:
                 fitted += [fit(r) for r in rows[start:start + USAGE_SLICE]]
                 await asyncio.sleep(0)
             async with self.settling or contextlib.nullcontext():
-                charges, dropped = await self._write(rows, fitted)
+                try:
+                    charges, dropped = await self._write(rows, fitted)
+                except Exception:
+                    if not await self._there_already(rows):
+                        raise
+                    # Committed, its reply lost: done, each charge as one found there already (applied now or by
+                    # an earlier try: the lease book reads its hold back).
+                    charges, dropped = [], [Charge.of(c) for r in rows for c in r.get("charges") or ()]
                 if charges and self.on_written is not None:
                     self.on_written(charges)
                 if dropped and self.on_dropped is not None:
@@ -299,6 +308,25 @@ class UsageWriter:
                          "error": one_line(failure)})
         if self.journal is not None:
             self.journal.dead_letter(rows[0], one_line(failure))
+
+    async def _there_already(self, rows: list[dict[str, Any]]) -> bool:
+        """Whether every record of ``rows`` is in the database, read at once (within ``USAGE_PING_TIMEOUT_S``; False
+        when it cannot be read): a write that failed with its outcome unknown — its reply to COMMIT lost — and did
+        commit. Read before ``settling`` is let go, so that no spend report counts its charges twice: in the ledger,
+        and as this process's charges not yet written."""
+        ids = {r["record_id"] for r in rows}
+
+        async def read() -> set[str]:
+            async with self.db.session() as session:
+                found = await session.execute(select(UsageRow.record_id).where(UsageRow.record_id.in_(ids)))
+                return {str(ident) for ident, in found}
+
+        try:
+            return await asyncio.wait_for(read(), USAGE_PING_TIMEOUT_S) >= ids
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
 
     async def _write(self, rows: list[dict[str, Any]],
                      fitted: list[dict[str, Any]]) -> tuple[list[Charge], list[Charge]]:
