@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from precision import answers
+from precision import PatchedFunctional, answers
 from rounding import changes
 
 from decisiond.bench.workload import requests
@@ -63,26 +63,13 @@ class Mixed(dec.LlamaDecoder):
         return out if bias is None else out + bias
 
 
-class Patched:
-    def __init__(self, variant: Mixed):
-        self.variant = variant
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(F, name)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if id(weight) in self.variant.weights:
-            return self.variant.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
-
-
 def timed(loop: asyncio.AbstractEventLoop, engine: LocalEngine, asked: list[Any],
           variant: Any) -> tuple[float, list[Any]]:
     """One pass over ``asked`` with ``variant`` as the engine's decoder, from an empty prefix cache."""
     engine.backend.decoder = variant
     engine.backend.prefixes.clear()
     if isinstance(variant, Mixed):
-        dec.F = Patched(variant)  # type: ignore[assignment]  # the decoder module's F, for this run only
+        dec.F = PatchedFunctional(variant)  # type: ignore[assignment]  # the decoder module's F, for this run only
     try:
         start = time.perf_counter()
         got = loop.run_until_complete(answers(engine, asked))

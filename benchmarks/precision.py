@@ -48,7 +48,7 @@ class Variant(dec.LlamaDecoder):
                 w = getattr(layer, name)
                 self.weights[id(w)] = (modes[g], w if modes[g] == "fp32" else w.to(torch.bfloat16))
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         mode, w = self.weights[id(weight)]
         if mode == "fp32":
             return F.linear(x, w, bias)
@@ -62,10 +62,11 @@ class Variant(dec.LlamaDecoder):
 
 
 class PatchedFunctional:
-    """``torch.nn.functional`` as the decoder's module sees it during a variant's run: projections by their mode,
-    everything else as it is."""
+    """``torch.nn.functional`` as the decoder's module sees it during a variant's run: the projections whose weights
+    the variant holds (``variant.weights``, by ``id``) through ``variant.linear``, everything else as it is. Shared by
+    ``rounding.py`` and ``mixed_rate.py``."""
 
-    def __init__(self, variant: Variant):
+    def __init__(self, variant: Any):
         self.variant = variant
 
     def __getattr__(self, name: str) -> Any:
@@ -73,7 +74,8 @@ class PatchedFunctional:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if id(weight) in self.variant.weights:
-            return self.variant._linear(x, weight, bias)
+            out: torch.Tensor = self.variant.linear(x, weight, bias)
+            return out
         return F.linear(x, weight, bias)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from precision import GROUPS, answers
+from precision import GROUPS, PatchedFunctional, answers
 
 from decisiond.bench.workload import requests
 from decisiond.engine import model as model_mod
@@ -72,21 +72,6 @@ class Emulated(dec.LlamaDecoder):
         return out if bias is None else out + bias
 
 
-class Patched:
-    """``torch.nn.functional`` as the decoder's module sees it during a variant's run."""
-
-    def __init__(self, variant: Emulated):
-        self.variant = variant
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(F, name)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if id(weight) in self.variant.weights:
-            return self.variant.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
-
-
 def changes(base: list[Any], got: list[Any]) -> list[float]:
     return sorted(max(abs(p - q) for p, q in zip(x.probabilities, y.probabilities))
                   for a, b in zip(base, got) for x, y in zip(a.answers, b.answers))
@@ -115,7 +100,7 @@ def main() -> None:
         engine = LocalEngine(loaded)
         variant = Emulated(loaded.model, dict(zip(GROUPS, spec.split(","))))
         engine.backend.decoder = variant
-        dec.F = Patched(variant)  # type: ignore[assignment]  # the decoder module's F, for this run only
+        dec.F = PatchedFunctional(variant)  # type: ignore[assignment]  # the decoder module's F, for this run only
         try:
             got = changes(base, loop.run_until_complete(answers(engine, asked)))
         finally:
