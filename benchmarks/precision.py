@@ -83,17 +83,22 @@ async def answers(engine: LocalEngine, asked: list[Any]) -> list[Any]:
     return [await engine.decide_async(r) for r in asked]
 
 
+def float32_answers(tickets: int, questions: int) -> tuple[Any, list[Any], asyncio.AbstractEventLoop, list[Any]]:
+    """The embedded model in float32, the benchmark's tickets, an event loop, and the float32 engine's answers."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    loaded = model_mod.load("default", dtype="float32")
+    asked = requests(tickets, questions)
+    loop = asyncio.new_event_loop()
+    return loaded, asked, loop, loop.run_until_complete(answers(LocalEngine(loaded), asked))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("variants", nargs="+", help="modes of qkv,o,gu,d: fp32 | bf16 | split each")
     parser.add_argument("--tickets", type=int, default=30)
     parser.add_argument("--questions", type=int, default=3, choices=[1, 3, 10])
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    loaded = model_mod.load("default", dtype="float32")
-    asked = requests(args.tickets, args.questions)
-    loop = asyncio.new_event_loop()
-    base = loop.run_until_complete(answers(LocalEngine(loaded), asked))
+    loaded, asked, loop, base = float32_answers(args.tickets, args.questions)
     for spec in args.variants:
         modes = dict(zip(GROUPS, spec.split(",")))
         engine = LocalEngine(loaded)

@@ -20,17 +20,13 @@ A variant gives each group (``qkv``, ``o``, ``gu``, ``d``: see ``precision.py``)
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from precision import GROUPS, PatchedFunctional, answers
+from precision import GROUPS, PatchedFunctional, answers, float32_answers
 
-from decisiond.bench.workload import requests
-from decisiond.engine import model as model_mod
 from decisiond.engine.backends import decoder as dec
 from decisiond.engine.local import LocalEngine
 
@@ -91,11 +87,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=3, choices=[1, 3, 10])
     parser.add_argument("--stats", action="store_true", help="print the largest input channels of the last variant")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    loaded = model_mod.load("default", dtype="float32")
-    asked = requests(args.tickets, args.questions)
-    loop = asyncio.new_event_loop()
-    base = loop.run_until_complete(answers(LocalEngine(loaded), asked))
+    loaded, asked, loop, base = float32_answers(args.tickets, args.questions)
     for spec in args.variants:
         engine = LocalEngine(loaded)
         variant = Emulated(loaded.model, dict(zip(GROUPS, spec.split(","))))
