@@ -56,7 +56,7 @@ from ..limits import (
 from ..store.batches import put_results
 from ..store.db import Database, transient
 from ..store.processes import pid_gone
-from ..store.tables import UsageRow
+from ..store.tables import BudgetWindow, UsageRow
 from ..store.usage_rows import insert_new_postgres, insert_new_sqlite, values_of
 from .decisions import insert_rows as insert_decisions
 from .journal import Journal, read_segment
@@ -315,9 +315,14 @@ class UsageWriter:
         commit. Read before ``settling`` is let go, so that no spend report counts its charges twice: in the ledger,
         and as this process's charges not yet written."""
         ids = {r["record_id"] for r in rows}
+        windows = sorted({(c.budget_id, c.window_start) for r in rows for c in map(Charge.of, r.get("charges") or ())})
 
         async def read() -> set[str]:
-            async with self.db.session() as session:
+            async with self.db.session() as session:  # never committed: a read, rolled back as the session closes
+                w = BudgetWindow
+                for budget, start in windows:  # waits for the write, were it still committing (PostgreSQL)
+                    await session.execute(select(w.spent).where(w.budget_id == budget, w.window_start == start)
+                                          .with_for_update())
                 found = await session.execute(select(UsageRow.record_id).where(UsageRow.record_id.in_(ids)))
                 return {str(ident) for ident, in found}
 
