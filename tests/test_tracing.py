@@ -515,3 +515,37 @@ def test_what_decisiond_writes_is_otlp_as_its_own_classes_read_it():
     assert child.parent_span_id == queue.parent_span_id == top.span_id and child.trace_id == top.trace_id
     assert top.start_time_unix_nano <= child.start_time_unix_nano <= child.end_time_unix_nano <= top.end_time_unix_nano
     assert queue.end_time_unix_nano - queue.start_time_unix_nano == pytest.approx(1_000_000, rel=0.05)
+
+
+def test_the_engines_two_spans_meet_at_one_instant_while_the_wall_clock_moves(monkeypatch):
+    """``engine queue`` ends exactly where ``engine forward`` starts, however the wall clock moves against the
+    monotonic one between their two placings (a CI run saw the queue end 4 µs after the forward began)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    from decisiond import otlp
+    from decisiond.engine import local
+
+    handed: list[Any] = []
+
+    class Processor:
+        def on_end(self, spans: Any) -> None:
+            handed.append(spans)
+
+    encoder = otlp.Encoder({"service.name": "decisiond-x"}, "decisiond", "9.9")
+    tracer = tracing.Tracer(Processor(), ParentBased(ALWAYS_ON), encoder)
+    wall, ahead = time.time_ns, itertools.count()
+    monkeypatch.setattr(time, "time_ns", lambda: wall() + 10_000 * next(ahead))  # 10 µs more at each reading
+    now = time.monotonic()
+    run = SimpleNamespace(started=now - 0.002, finished=now - 0.001, passes=1, jobs=[None], size=9)
+    ticket = SimpleNamespace(submitted=now - 0.003, joined=False, job=SimpleNamespace(run=run, size=9))
+    with tracer.start("attempt"):
+        local._traced(ticket)
+    (trace,) = handed
+    (resource_spans,) = ExportTraceServiceRequest.FromString(encoder.request([trace])).resource_spans
+    spans = {span.name: span for span in resource_spans.scope_spans[0].spans}
+    queue, forward = spans["engine queue"], spans["engine forward"]
+    assert queue.end_time_unix_nano == forward.start_time_unix_nano
+    assert queue.end_time_unix_nano - queue.start_time_unix_nano == pytest.approx(1_000_000, rel=0.01)

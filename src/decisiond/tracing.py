@@ -147,10 +147,14 @@ class Tracer:
         """``start``: a span to use as a ``with`` block (see ``Span``)."""
         return self.start(name, attributes, failures=failures)
 
-    def past(self, name: str, started: float, ended: float, attributes: dict[str, Any] | None = None) -> None:
+    def past(self, name: str, started: float, ended: float, attributes: dict[str, Any] | None = None,
+             offset: int | None = None) -> None:
         """A span that has already happened, the child of the current span: ``started`` and ``ended`` are
-        ``time.monotonic()`` readings, taken on any thread."""
-        offset = time.time_ns() - time.monotonic_ns()
+        ``time.monotonic()`` readings, taken on any thread, placed on the wall clock by ``offset``
+        (``wall_offset_ns()``, read now when not given). Spans that share an instant (one's end, the next's start)
+        must share one reading: the wall clock moves against the monotonic one between two."""
+        if offset is None:
+            offset = wall_offset_ns()
         self.start(name, attributes, start_time=int(started * 1e9) + offset).end(int(ended * 1e9) + offset)
 
 
@@ -308,6 +312,11 @@ def inject(headers: dict[str, str]) -> None:
         headers["traceparent"] = f"00-{current.trace_id:032x}-{current.span_id:016x}-{current.flags:02x}"
         if current.trace_state:
             headers["tracestate"] = current.trace_state.to_header()
+
+
+def wall_offset_ns() -> int:
+    """What to add to a ``time.monotonic()`` reading, in nanoseconds, to place it on the wall clock now."""
+    return time.time_ns() - time.monotonic_ns()
 
 
 def recording() -> Tracer | None:

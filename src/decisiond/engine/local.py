@@ -168,10 +168,11 @@ def _traced(ticket: Ticket) -> None:
     if tracer is None or run is None or run.finished is None:
         return
     began = max(ticket.submitted, run.started)
-    tracer.past("engine queue", ticket.submitted, began, {tracing.ENGINE_JOINED: ticket.joined})
+    offset = tracing.wall_offset_ns()  # one for both: the queue ends exactly where the run begins
+    tracer.past("engine queue", ticket.submitted, began, {tracing.ENGINE_JOINED: ticket.joined}, offset)
     tracer.past("engine forward", began, run.finished, {
         tracing.ENGINE_PASSES: run.passes, tracing.ENGINE_RUN_REQUESTS: len(run.jobs),
-        tracing.ENGINE_RUN_TOKENS: run.size, tracing.ENGINE_TOKENS: ticket.job.size})
+        tracing.ENGINE_RUN_TOKENS: run.size, tracing.ENGINE_TOKENS: ticket.job.size}, offset)
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
