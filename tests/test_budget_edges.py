@@ -246,7 +246,5 @@ def _ledger(postgres) -> dict:
     windows = {(b, s): int(r) for b, s, r in query("SELECT budget_id, window_start, reserved FROM budget_windows")}
     held = {(b, s): int(a) for b, s, a in query(
         "SELECT budget_id, window_start, sum(amount) FROM budget_reservations GROUP BY budget_id, window_start")}
-    spent: dict[str, int] = {}
-    for b, s in query("SELECT budget_id, sum(spent) FROM budget_windows GROUP BY budget_id"):
-        spent[b] = int(s)
+    spent = {b: int(s) for b, s in query("SELECT budget_id, sum(spent) FROM budget_windows GROUP BY budget_id")}
     return {"windows": windows, "held": held, "spent": spent}

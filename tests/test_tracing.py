@@ -83,6 +83,22 @@ def _value(any_value: Any) -> Any:
     return getattr(any_value, kind) if kind else None
 
 
+def in_memory_tracer(resource: dict[str, Any]) -> tuple[tracing.Tracer, Any, list[Any]]:
+    """A tracer that samples everything, its OTLP encoder, and the list its processor hands each ended trace to."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    from decisiond import otlp
+
+    handed: list[Any] = []
+
+    class Processor:
+        def on_end(self, spans: Any) -> None:
+            handed.append(spans)
+
+    encoder = otlp.Encoder(resource, "decisiond", "9.9")
+    return tracing.Tracer(Processor(), ParentBased(ALWAYS_ON), encoder), encoder, handed
+
+
 class Receiver:
     """An OTLP/HTTP receiver on loopback (a simulated upstream, ``upstreams.Upstream``): every span of every export,
     decoded."""
@@ -471,19 +487,9 @@ def test_without_tracing_the_pipeline_is_built_without_spans():
 
 def test_what_decisiond_writes_is_otlp_as_its_own_classes_read_it():
     """``decisiond.otlp`` writes protobuf by hand: every field it writes, decoded by OTLP's generated classes."""
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from decisiond import otlp
-
-    handed: list[Any] = []
-
-    class Processor:
-        def on_end(self, spans: Any) -> None:
-            handed.append(spans)
-
-    encoder = otlp.Encoder({"service.name": "decisiond-x", "service.instance": 3}, "decisiond", "9.9")
-    tracer = tracing.Tracer(Processor(), ParentBased(ALWAYS_ON), encoder)
+    tracer, encoder, handed = in_memory_tracer({"service.name": "decisiond-x", "service.instance": 3})
     caller = TraceContextTextMapPropagator().extract({
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "vendor=x1"})
     long_text = "é" * 300  # not cached, two bytes a character
@@ -523,19 +529,9 @@ def test_the_engines_two_spans_meet_at_one_instant_while_the_wall_clock_moves(mo
     import itertools
     from types import SimpleNamespace
 
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-
-    from decisiond import otlp
     from decisiond.engine import local
 
-    handed: list[Any] = []
-
-    class Processor:
-        def on_end(self, spans: Any) -> None:
-            handed.append(spans)
-
-    encoder = otlp.Encoder({"service.name": "decisiond-x"}, "decisiond", "9.9")
-    tracer = tracing.Tracer(Processor(), ParentBased(ALWAYS_ON), encoder)
+    tracer, encoder, handed = in_memory_tracer({"service.name": "decisiond-x"})
     wall, ahead = time.time_ns, itertools.count()
     monkeypatch.setattr(time, "time_ns", lambda: wall() + 10_000 * next(ahead))  # 10 µs more at each reading
     now = time.monotonic()
