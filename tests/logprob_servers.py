@@ -5,13 +5,23 @@ documents:
 - ``vllm``: /v1/completions (text or token-id prompts) and /v1/chat/completions; OpenAI's legacy logprobs shape on
   completions (``{token text: logprob}``; ``token_id:N`` keys with ``return_tokens_as_token_ids``); ``logit_bias`` and
   ``allowed_token_ids``; log-probabilities from the raw logits, before either (V1's default ``raw_logprobs``), unless
-  ``processed`` (``--logprobs-mode processed_logprobs``); at most ``max_logprobs`` (20) or a 400;
-- ``sglang``: the same routes and shapes, ``logit_bias`` applied before the log-probabilities;
+  ``processed`` (``--logprobs-mode processed_logprobs``); at most ``max_logprobs`` (20) or a 400; with ``label_ids``
+  (0.32 and later) ``logprob_token_ids``: the given ids' log-probabilities, the chosen token first, ``logprobs``
+  then unchecked (``sampling_params``, ``completion/protocol.py``); each token printed as 0.32's
+  ``convert_ids_list_to_tokens``: ``decode([id])`` with the leading spaces of a Metaspace piece restored;
+- ``sglang``: the same routes and shapes, ``logit_bias`` applied before the log-probabilities, each token printed by
+  a lone ``decode([id])`` (``batch_decode([[id]])``: SentencePiece's ``▁A`` prints ``A``);
 - ``llamacpp``: llama.cpp's own server: ``logprobs.content[0]`` with each token's ``id`` on both routes, raw
-  probabilities, ``logit_bias``;
+  probabilities, ``logit_bias``; a token printed as its piece (``▁A`` prints `` A``);
 - ``ollama``: /v1/chat/completions only (its /v1/completions templates the prompt again), ``logprobs`` and
-  ``top_logprobs`` (20 at most), no ``logit_bias`` (ignored);
-- ``openai``: /v1/chat/completions, ``top_logprobs`` at most 20, ``logit_bias``, images only with ``vision``.
+  ``top_logprobs`` (20 at most: "top_logprobs must be between 0 and 20"), no ``logit_bias`` (ignored), tokens printed
+  as llama-server's pieces;
+- ``openai``: /v1/chat/completions, ``top_logprobs`` at most 20, ``logit_bias``, images only with ``vision``; a field
+  it does not know is a 400 ("Unrecognized request argument supplied"), and reasoning models (``o3``…) refuse
+  ``max_tokens`` and ``logprobs``.
+
+``GET /v1/models`` answers each server's model card (its ``owned_by``: ``vllm``, ``sglang``, ``llamacpp``,
+``library`` for Ollama, ``system`` for OpenAI).
 
 And the ways they fail: ``no_logprobs`` (a reply without them), ``no_bias`` (400 on ``logit_bias``), and by the model
 name a request carries: ``hang`` (never answers), ``e500``/``e503`` (that status), ``leaky`` (an error that echoes the
@@ -42,6 +52,7 @@ class LogprobServer:
     no_logprobs: bool = False
     no_bias: bool = False
     bos: bool = False  # adds a BOS to text prompts (as vLLM does for Llama 3 without add_special_tokens: false)
+    label_ids: bool = True  # vllm: 0.32's logprob_token_ids (False: an older vLLM, which ignores the field)
     seen: list[dict] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -74,6 +85,8 @@ class LogprobServer:
     # ---------------------------------------------------------------------------------------------- serving
 
     def _handle(self, seen: Seen):
+        if seen.method == "GET":
+            return self._models(seen)
         body = seen.json()
         self.seen.append({"path": seen.path, "body": body, "auth": seen.headers.get("authorization")})
         model = body.get("model", "")
@@ -97,6 +110,43 @@ class LogprobServer:
             with self._lock:
                 self.in_flight -= 1
 
+    def _models(self, seen: Seen):
+        if not seen.path.endswith("/v1/models"):
+            return 404, {}, {"error": {"message": "Not Found"}}
+        owner = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "ollama": "library",
+                 "openai": "system"}[self.flavor]
+        return 200, {}, {"object": "list", "data": [{"id": "served", "object": "model", "created": 0,
+                                                     "owned_by": owner}]}
+
+    def printed(self, i: int) -> str:
+        """A token's text as this server prints it (see the module docstring)."""
+        tok = self.tokenizer
+        piece = tok.convert_ids_to_tokens(i)
+        if self.flavor == "sglang":
+            return tok.decode([i])
+        if self.flavor == "vllm":
+            text = tok.decode([i])
+            markers = len(piece) - len(piece.lstrip("▁"))
+            missing = markers - (len(text) - len(text.lstrip(" ")))
+            return " " * missing + text if missing > 0 else text
+        return piece.replace("▁", " ") if "▁" in piece else tok.convert_tokens_to_string([piece])
+
+    def _unknown(self, body: dict, chat: bool):
+        """OpenAI's refusals of fields it does not take, and of reasoning models' max_tokens and logprobs."""
+        known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "logprobs", "top_logprobs",
+                 "stream", "logit_bias", "frequency_penalty", "presence_penalty", "top_p", "n", "seed", "stop", "user"}
+        for name in body:
+            if name not in known:
+                return 400, {}, {"error": {"message": f"Unrecognized request argument supplied: {name}",
+                                           "type": "invalid_request_error", "param": None, "code": None}}
+        if str(body.get("model", "")).startswith("o3"):
+            for name in ("max_tokens", "logprobs"):
+                if name in body:
+                    return 400, {}, {"error": {"message": f"Unsupported parameter: '{name}' is not supported with "
+                                                          "this model.", "type": "invalid_request_error",
+                                               "param": name, "code": "unsupported_parameter"}}
+        return None
+
     def _prompt(self, body: dict, chat: bool) -> list[int] | tuple[int, dict]:
         tok = self.tokenizer
         if not chat:
@@ -119,10 +169,17 @@ class LogprobServer:
         return tok.encode(text, add_special_tokens=False)
 
     def _answer(self, body: dict, chat: bool):
+        if self.flavor == "openai" and (refusal := self._unknown(body, chat)):
+            return refusal
         k = body.get("top_logprobs") if chat else body.get("logprobs")
         if chat and body.get("logprobs") is not True:
             k = None
-        if isinstance(k, int) and k > self.max_logprobs:
+        wanted = body.get("logprob_token_ids") if self.flavor == "vllm" and self.label_ids else None
+        if wanted:
+            k = len(wanted)  # vLLM 0.32 reads these ids and leaves logprobs unchecked
+        if self.flavor == "ollama" and isinstance(k, int) and k > 20:
+            return 400, {}, {"error": {"message": "top_logprobs must be between 0 and 20", "type": "invalid_request_error"}}
+        if isinstance(k, int) and k > self.max_logprobs and not wanted:
             return 400, {}, {"error": {"message": f"Requested sample logprobs of {k}, which is greater than max "
                                                   f"allowed: {self.max_logprobs}", "type": "BadRequestError"}}
         bias = body.get("logit_bias") if self.flavor != "ollama" else None
@@ -147,7 +204,7 @@ class LogprobServer:
                  "prompt_tokens_details": {"cached_tokens": self._cached_tokens(ids)}}
         position = None if k is None or self.no_logprobs else self._position(logprobs, chosen, k, chat, body)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": position}
-        text = self.tokenizer.decode([chosen])
+        text = self.printed(chosen)
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -156,12 +213,16 @@ class LogprobServer:
                          "model": body.get("model"), "choices": [choice], "usage": usage}
 
     def _position(self, logprobs: torch.Tensor, chosen: int, k: int, chat: bool, body: dict) -> dict:
-        top = torch.topk(logprobs, k)
-        pairs = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if math.isfinite(float(v))]
+        wanted = body.get("logprob_token_ids") if self.flavor == "vllm" and self.label_ids else None
+        if wanted:  # the sampled token, then the given ids (sampler.gather_specific_token_logprobs)
+            pairs = [(int(i), float(logprobs[int(i)])) for i in wanted]
+        else:
+            top = torch.topk(logprobs, k)
+            pairs = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if math.isfinite(float(v))]
         as_ids = bool(body.get("return_tokens_as_token_ids")) and self.flavor == "vllm"
 
         def text(i: int) -> str:
-            return f"token_id:{i}" if as_ids else self.tokenizer.decode([i])
+            return f"token_id:{i}" if as_ids else self.printed(i)
 
         lp = max(float(logprobs[chosen]), -9999.0)
         if chat or self.flavor == "llamacpp":

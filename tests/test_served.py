@@ -47,7 +47,9 @@ def sims(served_dir):
     model = load(served_dir, device="cpu")
     servers = {
         "vllm": LogprobServer(model, "vllm", max_logprobs=100),
-        "vllm_raw": LogprobServer(model, "vllm"),
+        "vllm_raw": LogprobServer(model, "vllm", label_ids=False),
+        "vllm_old8": LogprobServer(model, "vllm", max_logprobs=8, label_ids=False),
+        "vllm_tight": LogprobServer(model, "vllm", max_logprobs=2, processed=True, label_ids=False),
         "vllm_processed": LogprobServer(model, "vllm", processed=True),
         "sglang": LogprobServer(model, "sglang"),
         "llamacpp": LogprobServer(model, "llamacpp", max_logprobs=100),
@@ -78,6 +80,8 @@ providers:
   - {name: vllm, type: logprobs, base_url: "${UP_VLLM}/v1", tokenizer: "${SERVED_DIR}",
      logprobs: {prompt: ids, top_logprobs: 100}}
   - {name: vllm_raw, type: logprobs, base_url: "${UP_VLLM_RAW}/v1", tokenizer: "${SERVED_DIR}",
+     logprobs: {prompt: ids, top_logprobs: 8, restrict: allowed_token_ids}}
+  - {name: vllm_old8, type: logprobs, base_url: "${UP_VLLM_OLD8}/v1", tokenizer: "${SERVED_DIR}",
      logprobs: {prompt: ids, top_logprobs: 8, restrict: allowed_token_ids}}
   - {name: vllm_processed, type: logprobs, base_url: "${UP_VLLM_PROCESSED}/v1", tokenizer: "${SERVED_DIR}",
      logprobs: {prompt: ids, top_logprobs: 8, restrict: allowed_token_ids}}
@@ -208,19 +212,47 @@ def test_a_label_past_the_top_k_is_read_from_a_restricted_second_read(gateway, s
 # ----------------------------------------------------------------------------------------------- failures
 
 
-def test_a_label_the_server_cannot_score_is_a_502_naming_the_option(gateway, sims):
+def test_vllm_reads_every_label_by_its_id_in_one_request_per_prompt(gateway, sims):
+    before = len(sims["vllm_raw"].seen), len(sims["vllm"].seen)
+    r = decide(gateway, "there", [EIGHT, *QUESTIONS])
+    assert r.status_code == 200, r.text
+    sent = [s["body"] for s in sims["vllm"].seen[before[1]:]]
+    assert len(sent) == 4 and all(b["return_tokens_as_token_ids"] is True for b in sent)  # one request a question
+    assert sorted(len(b["logprob_token_ids"]) for b in sent) == [2, 3, 3, 8]
+    # the settings that keep the read exact (vLLM takes the model's generation_config.json as its defaults)
+    assert all(b["repetition_penalty"] == 1.0 and b["top_k"] == -1 and b["top_p"] == 1.0 for b in sent)
+    assert all(a.get("label_mass") is not None for a in r.json()["answers"])
+
+
+def test_an_older_vllm_is_never_asked_for_more_than_its_maximum(gateway, sims):
+    """An older vLLM (no logprob_token_ids) with its raw log-probabilities: the restriction brings no label in, the
+    widened read of 1000 is refused naming its maximum (20), read again at 20, and remembered."""
     before = len(sims["vllm_raw"].seen)
-    r = decide(gateway, "vllm_raw/x", [EIGHT])  # raw logprobs: the restriction does not bring labels in
+    local = decide(gateway, "tiny-local", [EIGHT])
+    r = decide(gateway, "vllm_raw/x", [EIGHT])
+    assert r.status_code == 200, r.text
+    assert close(probabilities(r.json()), probabilities(local.json()), 1e-4)
+    sent = [s["body"] for s in sims["vllm_raw"].seen[before:]]
+    assert [b["logprobs"] for b in sent] == [8, 8, 1000, 20] and "allowed_token_ids" in sent[1]
+    again = len(sims["vllm_raw"].seen)
+    assert decide(gateway, "vllm_raw/x", [EIGHT], text="Another ticket").status_code == 200
+    assert [s["body"]["logprobs"] for s in sims["vllm_raw"].seen[again:]] == [8, 20]
+
+
+def test_a_label_the_server_cannot_score_is_a_502_naming_the_option_and_the_fix(gateway, sims):
+    before = len(sims["vllm_old8"].seen)
+    r = decide(gateway, "vllm_old8/x", [EIGHT])  # at most 8, raw: neither the restriction nor a wider read helps
     assert r.status_code == 502, r.text
     error = r.json()["error"]
     assert error["code"] == "upstream_label_unscored" and "could not score option" in error["message"]
     assert "refused the read of the top 1000: Requested sample logprobs of 1000" in error["message"]
+    assert "vLLM 0.32 or later reads each label by its token id" in error["message"]
     assert error["param"].startswith("questions[0].choices[")
-    sent = [s["body"] for s in sims["vllm_raw"].seen[before:]]
+    sent = [s["body"] for s in sims["vllm_old8"].seen[before:]]
     assert [b["logprobs"] for b in sent] == [8, 8, 1000] and "allowed_token_ids" in sent[1]
-    again = len(sims["vllm_raw"].seen)
-    assert decide(gateway, "vllm_raw/x", [EIGHT], text="Another ticket").status_code == 502
-    assert ["allowed_token_ids" in s["body"] for s in sims["vllm_raw"].seen[again:]] == [False, False]
+    again = len(sims["vllm_old8"].seen)
+    assert decide(gateway, "vllm_old8/x", [EIGHT], text="Another ticket").status_code == 502
+    assert len(sims["vllm_old8"].seen) - again == 1  # what it ignores and its maximum are remembered
 
 
 def test_every_failure_fails_over_and_is_never_an_answer(oa, gateway, sims):
@@ -377,9 +409,10 @@ def test_without_a_label_in_the_plain_read_the_probabilities_stay_exact_and_the_
                                                tokenizer=served_dir, logprobs=options),
                                 loaded.tokenizer, loaded.name, loaded.context_length)
 
-    narrow, wide = provider("sglang", {"top_logprobs": 2}), provider("vllm", {"prompt": "ids", "top_logprobs": 100})
+    narrow = provider("vllm_tight", {"prompt": "ids", "top_logprobs": 2, "restrict": "allowed_token_ids"})
+    wide = provider("vllm", {"prompt": "ids", "top_logprobs": 100})
     request = parse_request({"model": "x", "input": "I was charged twice.", "questions": QUESTIONS[:1]})
-    before = len(sims["sglang"].seen)
+    before = len(sims["vllm_tight"].seen)
 
     async def both():
         try:
@@ -389,10 +422,12 @@ def test_without_a_label_in_the_plain_read_the_probabilities_stay_exact_and_the_
             await wide.aclose()
 
     restricted, exact = asyncio.run(both())
-    sent = [s["body"] for s in sims["sglang"].seen[before:]]
-    # yes and no were not in the plain read's top 2; the restricted read has both (SGLang applies logit_bias first),
-    # and the wider plain read that could have given their mass is more than the server gives (its 400)
-    assert len(sent) == 3 and "logit_bias" in sent[1] and sent[2]["logprobs"] == 1000 and "logit_bias" not in sent[2]
+    sent = [s["body"] for s in sims["vllm_tight"].seen[before:]]
+    # yes and no were not in the plain read's top 2 (an older vLLM with --max-logprobs 2); the restricted read has both
+    # (--logprobs-mode processed_logprobs), and the wider plain read that could have given their mass is more than the
+    # server gives (its 400)
+    assert len(sent) == 3 and "allowed_token_ids" in sent[1] and sent[2]["logprobs"] == 1000
+    assert "allowed_token_ids" not in sent[2]
     assert restricted.probabilities == pytest.approx(exact.probabilities, abs=1e-6)
     assert restricted.label_mass is None and exact.label_mass is not None
 

@@ -61,10 +61,13 @@ class Upstream:
             def log_message(self, *args):
                 pass
 
-            def do_POST(self):
+            def do_GET(self):
+                self.do_POST("GET")
+
+            def do_POST(self, method: str = "POST"):
                 length = int(self.headers.get("content-length") or 0)
                 parsed = urlparse(self.path)
-                seen = Seen("POST", parsed.path, parse_qs(parsed.query), {k.lower(): v for k, v in self.headers.items()},
+                seen = Seen(method, parsed.path, parse_qs(parsed.query), {k.lower(): v for k, v in self.headers.items()},
                             self.rfile.read(length))
                 upstream.seen.append(seen)
                 answer = upstream.handler(seen)

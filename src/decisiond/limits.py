@@ -191,3 +191,7 @@ PROFILE_REFRESH_S = 5.0
 # a decision is several requests to the server (a question each, more for option orders and calibration), and the
 # first request to a server that just started can take seconds; still under the gateway's default deadline.
 SERVED_TIMEOUT_S = 9.0
+# Seconds a fact learned from a served model's replies is kept (the server behind it, that it ignores a restriction or
+# label ids, the most log-probabilities it gives): a server is upgraded, restarted or load-balanced over versions, so
+# each is learned again after this long.
+SERVED_LEARNED_S = 300.0

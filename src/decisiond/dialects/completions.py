@@ -39,8 +39,12 @@ class NoLogprobs(ValueError):
 
 @dataclass
 class Reply:
+    """The answer position's candidates (the chosen token first), the usage, and the reasoning text a server split
+    off its answer (``reasoning_content``, ``reasoning``: the answer was read after a reasoning block)."""
+
     candidates: list[Candidate]
     usage: Usage = field(default_factory=Usage)
+    reasoning: str = ""
 
 
 def restriction(kind: Restriction, label_ids: Sequence[int]) -> dict[str, Any]:
@@ -52,15 +56,19 @@ def restriction(kind: Restriction, label_ids: Sequence[int]) -> dict[str, Any]:
     return {"logit_bias": {str(i): LABEL_BIAS for i in label_ids}}
 
 
-def completion_body(model: str, prompt: str | Sequence[int], k: int, restrict: dict[str, Any]) -> dict[str, Any]:
-    """``/v1/completions``: the rendered prompt, as text or as token ids."""
+def completion_body(model: str, prompt: str | Sequence[int], k: int, restrict: dict[str, Any],
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``/v1/completions``: the rendered prompt, as text or as token ids; ``extra``: the server's own fields
+    (``served_servers.Server.fields``)."""
     return {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt), "max_tokens": 1,
-            "temperature": 0, "logprobs": k, "stream": False, **restrict}
+            "temperature": 0, "logprobs": k, "stream": False, **(extra or {}), **restrict}
 
 
 def chat_body(model: str, text: str, images: Sequence[Image], k: int, restrict: dict[str, Any],
-              template_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``/v1/chat/completions``: one user message, the request's images first, then the rendered question."""
+              template_kwargs: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``/v1/chat/completions``: one user message, the request's images first, then the rendered question;
+    ``extra``: the server's own fields, which carry the template kwargs where the server takes them
+    (``served_servers.Server.fields``); OpenAI's reasoning models take ``max_completion_tokens`` only."""
     content: str | list[dict[str, Any]] = text
     if images:
         parts: list[dict[str, Any]] = []
@@ -71,8 +79,11 @@ def chat_body(model: str, text: str, images: Sequence[Image], k: int, restrict: 
             parts.append({"type": "image_url", "image_url": url})
         content = [*parts, {"type": "text", "text": text}]
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1,
-                            "temperature": 0, "logprobs": True, "top_logprobs": k, "stream": False, **restrict}
-    if template_kwargs:
+                            "temperature": 0, "logprobs": True, "top_logprobs": k, "stream": False, **(extra or {}),
+                            **restrict}
+    if "max_completion_tokens" in body:
+        del body["max_tokens"]
+    if template_kwargs and "chat_template_kwargs" not in body:
         body["chat_template_kwargs"] = template_kwargs
     return body
 
@@ -105,7 +116,7 @@ def _first_position(logprobs: dict[str, Any]) -> list[Candidate]:
         raise NoLogprobs("its logprobs hold neither content nor top_logprobs")
     out = [_candidate(text, lp) for text, lp in (tops[0] or {}).items()]
     if isinstance(tokens, list) and isinstance(chosen, list) and tokens and chosen and chosen[0] is not None:
-        out.append(_candidate(tokens[0], chosen[0]))
+        out.insert(0, _candidate(tokens[0], chosen[0]))
     return out
 
 
@@ -122,7 +133,10 @@ def read_reply(body: Any) -> Reply:
     candidates = _first_position(logprobs)
     if not candidates:
         raise NoLogprobs("its first token has no log-probabilities")
-    return Reply(candidates, _usage(body.get("usage")))
+    message = choices[0].get("message")
+    reasoning = next((v for k in ("reasoning_content", "reasoning") if isinstance(message, dict)
+                      and isinstance(v := message.get(k), str) and v), "")
+    return Reply(candidates, _usage(body.get("usage")), reasoning)
 
 
 def _usage(raw: Any) -> Usage:

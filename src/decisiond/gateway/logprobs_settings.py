@@ -32,6 +32,11 @@ class LogprobsOptions(BaseModel):
     llama.cpp's servers, vLLM's default ``raw_logprobs``), one more plain read of this many top log-probabilities:
     llama-cpp-python takes any number, vLLM at most its ``--max-logprobs`` (a larger number is the server's 400,
     named in the error). 0: no such read."""
+    server: Literal["auto", "vllm", "sglang", "llamacpp", "ollama", "openai", "generic"] = "auto"
+    """Which server this is, for the fields it takes beyond OpenAI's (``dialects.served_servers``): vLLM's
+    ``logprob_token_ids`` (every label read by its id, in one request), the sampling settings that keep a read exact,
+    the fields that keep thinking off. ``auto``: read from the server's ``/v1/models`` (its ``owned_by``), and read
+    again every few minutes; ``generic``: OpenAI's fields only."""
     concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=256)
     """Requests to the server in flight at once for one decision (its questions, option orders and calibration
     inputs go out concurrently, at most this many at a time)."""

@@ -59,6 +59,8 @@ class DecisionProvider(Protocol):
 
     async def input_tokens(self, request: DecisionRequest) -> int | None: ...
 
+    async def output_tokens(self, request: DecisionRequest) -> int | None: ...
+
     def unsupported(self, request: DecisionRequest) -> DecisionError | None: ...
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult: ...
@@ -142,6 +144,11 @@ class Provider:
     async def input_tokens(self, request: DecisionRequest) -> int | None:
         """The input tokens ``request`` will be billed for, counted exactly where this provider runs its own model
         (its tokenizer), else None: the caller then uses a bound (``sizes.max_input_tokens``)."""
+        return None
+
+    async def output_tokens(self, request: DecisionRequest) -> int | None:
+        """The most output tokens ``request`` can be billed for where this provider knows it (a served model: one a
+        read), else None: the caller then uses a bound (``sizes.max_output_tokens``)."""
         return None
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
@@ -244,8 +251,15 @@ class HttpProvider(Provider):
             data = aiohttp.FormData()
             for field, (filename, content, content_type) in files:
                 data.add_field(field, content, filename=filename, content_type=content_type)
+        return await self._exchange("POST", url, headers, json=json, data=data)
+
+    async def get_json(self, url: str, headers: dict[str, str]) -> Any:
+        """GET ``url`` and return its JSON body; failures as ``post``'s."""
+        return await self._exchange("GET", url, headers)
+
+    async def _exchange(self, method: str, url: str, headers: dict[str, str], **body: Any) -> Any:
         try:
-            async with self.session().post(url, headers=self.headers(headers), json=json, data=data) as response:
+            async with self.session().request(method, url, headers=self.headers(headers), **body) as response:
                 status, raw = response.status, await response.read()
                 kept = retry_headers(response.headers) if status >= 400 else {}
         except asyncio.TimeoutError as e:

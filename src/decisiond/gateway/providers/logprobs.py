@@ -22,37 +22,33 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ...canonical import DecisionRequest, DecisionResult, Image, Question, Usage
 from ...dialects import completions as wire
+from ...dialects import served_servers as servers
 from ...engine import served
 from ...engine.assembly import Prepared
 from ...engine.bounds import max_token_chars
 from ...engine.decider import Decider, Scoring
 from ...engine.plain_prompt import PlainPrompter
 from ...engine.prefix_cache import Lru
-from ...engine.prompt import PROMPT_FORMAT_VERSION, ChatPrompter
+from ...engine.prompt import PROMPT_FORMAT_VERSION, REASONING_MARKERS, ChatPrompter
 from ...errors import DecisionError, InvalidRequest, ProviderError, provider_error, refused
 from ...limits import SERVED_TIMEOUT_S
 from ..settings import Limits, ProviderConfig
+from . import served_facts as facts
 from .base import HttpProvider
+from .label_reads import LabelReads, Read, Refusal, added, in_context
+from .served_facts import Facts
 
 T = TypeVar("T")
 # Decisions of the served models of one provider (one Decider each, so that calibration priors stay per model).
 UPSTREAM_ENTRIES = 64
 # No context length known for the tokenizer: the server refuses what does not fit its own.
 UNBOUNDED_CONTEXT = 1 << 30
-
-
-@dataclass
-class Read:
-    """The label log-probabilities of one prompt; ``exact``: full-vocabulary values (else shifted by a constant)."""
-
-    logprobs: list[float]
-    exact: bool
-    usage: Usage
+# A chosen token that opens a reasoning block: the answer position is inside it.
+REASONING_OPENERS = frozenset(start for start, _ in REASONING_MARKERS)
 
 
 class LogprobsProvider(HttpProvider):
@@ -70,9 +66,8 @@ class LogprobsProvider(HttpProvider):
         self.model_name = name or config.name
         self.context_length = context_length or UNBOUNDED_CONTEXT
         self._deciders: Lru[Decider] = Lru(UPSTREAM_ENTRIES)
-        # Learned from a reply: this server reads its log-probabilities before it restricts the answer (llama.cpp's,
-        # vLLM's default), so a restricted read brings no label in and is not sent again.
-        self._restriction_ignored = False
+        # What this provider learned of its server from its replies, each fact for a while (served_facts).
+        self.facts = Facts()
         self.decider("")  # the config's order and calibrate checked now, not at the first request
 
     @classmethod
@@ -130,10 +125,23 @@ class LogprobsProvider(HttpProvider):
                 "prompt_format_version": PROMPT_FORMAT_VERSION, **self.options.model_dump()}
 
     async def input_tokens(self, request: DecisionRequest) -> int | None:
+        """The most input tokens ``request`` can send: every prompt (each rendering and calibration input), as many
+        times as one prompt can be read (``most_reads``)."""
         if self.tokenizer is None:
             return None
-        prepared = await asyncio.to_thread(self.decider("").prepare, request)
-        return sum(len(v.prompt.ids) for q in prepared.questions for v in q.variants)
+        decider = self.decider("")
+        prepared = await asyncio.to_thread(decider.prepare, request)
+        scorings, _ = await asyncio.to_thread(decider.prompts, prepared)
+        return sum(len(s.prompt.ids) for s in scorings) * self.most_reads()
+
+    async def output_tokens(self, request: DecisionRequest) -> int | None:
+        """The most output tokens: one a read."""
+        if self.tokenizer is None:
+            return None
+        decider = self.decider("")
+        prepared = await asyncio.to_thread(decider.prepare, request)
+        scorings, _ = await asyncio.to_thread(decider.prompts, prepared)
+        return len(scorings) * self.most_reads()
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
         if self.tokenizer is None:
@@ -157,7 +165,7 @@ class LogprobsProvider(HttpProvider):
                 answer.label_mass = None  # the labels' share of the mass was not in the replies
         usage = Usage()
         for r in reads:
-            usage = _added(usage, r.usage)
+            usage = added(usage, r.usage)
         return DecisionResult(upstream, answers, usage, PROMPT_FORMAT_VERSION, self.format)
 
     def _prepare(self, decider: Decider, request: DecisionRequest) -> tuple[Prepared, list[Scoring], list[str]]:
@@ -174,84 +182,71 @@ class LogprobsProvider(HttpProvider):
                                   "logprobs.prompt: text; ids keeps them text)", "input", code="unsupported_input")
         return prepared, scorings, pending
 
-    def _tokens(self, scoring: Scoring) -> list[served.LabelToken]:
+    def label_tokens(self, scoring: Scoring) -> list[served.LabelToken]:
+        """Each label's token: its id and the text it adds in context (after the prompt's last tokens), as servers
+        print a token; a lone ``decode`` would print SentencePiece's ``▁A`` as ``A``, the text of another token."""
         labels, ids = scoring.variant.labels, scoring.prompt.label_ids
         if not ids:
             return [served.LabelToken(label) for label in labels]
-        return [served.LabelToken(label, i, self.tokenizer.decode([i])) for label, i in zip(labels, ids)]
+        return [served.LabelToken(label, i, in_context(self.tokenizer, scoring.prompt.ids, i))
+                for label, i in zip(labels, ids)]
+
+    async def _server(self, upstream: str) -> servers.Server:
+        """The server behind ``base_url``: configured, or read from its ``/v1/models`` (``generic`` where that
+        fails), and learned again after a while."""
+        if self.options.server != "auto":
+            return servers.SERVERS[self.options.server]
+        known: servers.Server | None = self.facts.get(facts.SERVER)
+        if known is None:
+            try:
+                known = servers.detect(await self.get_json(f"{self.base_url}/models", self._auth()))
+            except ProviderError:
+                known = servers.SERVERS["generic"]
+            self.facts.learn(facts.SERVER, known)
+        return known
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
     async def _read(self, scoring: Scoring, upstream: str, images: list[Image],
                     kwargs: dict[str, Any]) -> Read:
-        """One prompt's label log-probabilities: a plain read of the top ``k``; where a label is not in it, a read
-        restricted to the labels (not where this server proved to report log-probabilities before its restriction),
-        then a plain read of the top ``widen_to``."""
-        tokens, k, wide = self._tokens(scoring), self.options.top_logprobs, self.options.widen_to
-
-        async def ask(restrict: dict[str, Any], count: int, what: str) -> tuple[list[float | None], Usage]:
-            reply = await self._ask(scoring, upstream, images, kwargs, restrict, count, found, what)
-            return served.read_labels(reply.candidates, tokens), reply.usage
-
-        found: list[float | None] = []
-        found, usage = await ask({}, k, "")
+        """One prompt's label log-probabilities: one read, which on a server that reads given token ids (vLLM's
+        ``logprob_token_ids``) holds every label exactly; where a label is missing, a read restricted to the labels
+        (not where this server proved to report log-probabilities before its restriction), then a plain read of
+        the top ``widen_to``, at most the server's maximum."""
+        reads = LabelReads(self, scoring, upstream, images, kwargs, await self._server(upstream))
+        found, usage = await reads.first()
         if served.complete(found):
             return Read([v for v in found if v is not None], True, usage)
-        fallback: tuple[list[float], bool] | None = None
-        restrict = wire.restriction(self.options.restrict, scoring.prompt.label_ids)
-        if restrict and not self._restriction_ignored:
-            got, more = await ask(restrict, k, "restricted to the labels (" + ", ".join(restrict) + ")")
-            usage = _added(usage, more)
-            if not any(g is not None and f is None for f, g in zip(found, got)):
-                self._restriction_ignored = True  # its log-probabilities are read before it restricts the answer
-            else:
-                try:
-                    fallback = served.combine(found, got)
-                except served.Unscored as e:
-                    raise self._unscored(scoring, e.index, e.reason) from None
-                if fallback[1] or wide <= k:
-                    return Read(fallback[0], fallback[1], usage)
-        if wide > k:
-            try:
-                widened, more = await ask({}, wide, f"of the top {wide}")
-            except ProviderError:
-                if fallback is None:
-                    raise
-                return Read(fallback[0], False, usage)  # the widened read was for the mass alone
-            usage = _added(usage, more)
-            if served.complete(widened):
-                return Read([v for v in widened if v is not None], True, usage)
-            found = [w if w is not None else f for f, w in zip(found, widened)]
-        if fallback is not None:  # exact probabilities among the labels; their share of the mass unknown
-            return Read(fallback[0], False, usage)
-        missing = next(i for i, v in enumerate(found) if v is None)
-        why = "no tokenizer gives the labels' token ids" if not scoring.prompt.label_ids else \
-            "restrict: none" if not restrict else "the server reports log-probabilities before it restricts the answer"
-        raise self._unscored(scoring, missing, f"it is not among the server's top {max(k, wide)} log-probabilities, "
-                                               f"and the answer cannot be restricted to the labels ({why})")
+        return await reads.fall_back(found, usage)
 
-    async def _ask(self, scoring: Scoring, upstream: str, images: list[Image], kwargs: dict[str, Any],
-                   restrict: dict[str, Any], k: int, found: list[float | None], what: str) -> wire.Reply:
-        """One request for ``scoring``'s answer position; ``what`` names a read beyond the plain one, which a server
-        that refuses it (a 4xx) fails for the first label ``found`` lacks."""
+    def most_reads(self) -> int:
+        """The most requests one prompt can take (what a budget reserves): the first read and its retry without
+        the server's own fields, the restricted read, the widened read and its retry at the server's maximum."""
+        restricted = self.options.restrict != "none"
+        widened = self.options.widen_to > self.options.top_logprobs
+        return 2 + restricted + 2 * widened
+
+    async def send(self, scoring: Scoring, upstream: str, images: list[Image], kwargs: dict[str, Any],
+                   restrict: dict[str, Any], k: int, extra: dict[str, Any]) -> wire.Reply:
+        """One request for ``scoring``'s answer position, with the server's own fields ``extra``. A server's
+        refusal of a request decisiond checked is a provider failure (``Refusal``: 502, failover), never the
+        caller's 400."""
         shown = [] if scoring.prior else images
         if self.chat:
-            body = wire.chat_body(upstream, scoring.prompt.content, shown, k, restrict, kwargs)
+            body = wire.chat_body(upstream, scoring.prompt.content, shown, k, restrict, kwargs, extra)
         else:
             prompt = scoring.prompt.ids if self.options.prompt == "ids" else scoring.prompt.text
-            body = wire.completion_body(upstream, prompt, k, restrict)
+            body = wire.completion_body(upstream, prompt, k, restrict, extra)
         route = "chat/completions" if self.chat else "completions"
-        auth = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         try:
-            data = await self.post(f"{self.base_url}/{route}", auth, json=body)
+            data = await self.post(f"{self.base_url}/{route}", self._auth(), json=body)
         except ProviderError as error:
             if error.failover or error.status in (401, 403, 404):
                 raise
-            if what:  # a read the server refuses (a model without logit_bias, more log-probabilities than it gives)
-                missing = next(i for i, v in enumerate(found) if v is None)
-                raise self._unscored(scoring, missing, f"the server refused the read {what}: {error.message}") \
-                    from None
-            if shown:
+            if shown and servers.about_images(error.message):
                 raise self._refused_images(shown, error) from None
-            raise
+            raise Refusal(self.name, error.status, error.message) from None
         try:
             reply = wire.read_reply(data)
         except wire.NoLogprobs as e:
@@ -261,15 +256,30 @@ class LogprobsProvider(HttpProvider):
         except (ValueError, TypeError, AttributeError) as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",
                                  code="upstream_invalid_response") from None
+        self._check_reply(scoring, reply)
+        return reply
+
+    def _check_reply(self, scoring: Scoring, reply: wire.Reply) -> None:
+        """Refuse a reply read at another position than decisiond's: after a reasoning block, or from a prompt the
+        server tokenized into another count of tokens."""
+        chosen = reply.candidates[0]
+        text = chosen.text or ""
+        if chosen.id is not None and self.tokenizer is not None and text.startswith(wire.TOKEN_ID_PREFIX):
+            text = str(self.tokenizer.decode([chosen.id]))
+        if reply.reasoning or text.strip() in REASONING_OPENERS:
+            raise provider_error(self.name, 502, f"provider {self.name!r} answered inside a reasoning block (its "
+                                 f"answer begins {(text or reply.reasoning[:20])!r}), so no answer position can be "
+                                 "read: turn thinking off on the server (chat_template_kwargs enable_thinking: false; "
+                                 "Ollama: reasoning_effort none) or use api: completions with a tokenizer",
+                                 code="upstream_reasoning")
         counted, ours = reply.usage.input_tokens, len(scoring.prompt.ids)
         if not self.chat and self.options.prompt == "text" and counted and counted != ours:
             raise provider_error(self.name, 502, f"provider {self.name!r} tokenized the prompt into {counted} tokens "
                                  f"where decisiond rendered {ours}, so its answer position is not decisiond's (a "
                                  "server that adds a BOS to text prompts takes logprobs.prompt: ids)",
                                  code="upstream_prompt_mismatch")
-        return reply
 
-    def _unscored(self, scoring: Scoring, index: int, reason: str) -> ProviderError:
+    def unscored(self, scoring: Scoring, index: int, reason: str) -> ProviderError:
         """The failure to score one label, naming its option (by its name and, as the error's path, its field)."""
         question = scoring.question.question
         candidate = scoring.variant.order[index]
@@ -300,11 +310,6 @@ def _candidate(question: Question, index: int) -> tuple[str, tuple[str | int, ..
         level = question.levels[index]
         return str(level.label), level.source
     return ("yes", "no")[index], question.source
-
-
-def _added(a: Usage, b: Usage) -> Usage:
-    return Usage(input_tokens=a.input_tokens + b.input_tokens, cached_tokens=a.cached_tokens + b.cached_tokens,
-                 output_tokens=a.output_tokens + b.output_tokens)
 
 
 async def _bounded(calls: Sequence[Awaitable[T]], limit: int) -> list[T]:

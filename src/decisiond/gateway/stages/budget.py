@@ -74,9 +74,12 @@ class BudgetStage:
         for t in self.catalog.chain(name):
             if t.price is None:
                 continue
-            counted = await t.provider.input_tokens(request) if isinstance(request, DecisionRequest) else None
+            decision = isinstance(request, DecisionRequest)
+            counted = await t.provider.input_tokens(request) if decision else None
+            output = await t.provider.output_tokens(request) if decision else None
             usage = Usage(input_tokens=counted if counted is not None else max_input_tokens(request),
-                          output_tokens=max_output_tokens(request, t.max_output_tokens))
+                          output_tokens=output if output is not None else max_output_tokens(request,
+                                                                                            t.max_output_tokens))
             worst = max(worst, to_nano(pricing.cost(t.price, usage, pricing.billed_as(request, t.provider.format))))
         return worst
 
