@@ -69,7 +69,8 @@ def pytest_sessionstart(session):
 # ``pytest -m "not slow"`` is the everyday subset; ``pytest`` runs everything, as CI does.
 REAL_MODEL_FIXTURES = {"server", "smol_engine", "openai_client"}
 REAL_MODEL_SERVER = {"server", "openai_client"}
-SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser", "browser_factory", "llamacpp"}
+SERVICE_FIXTURES = {"postgres", "shared_postgres", "redis", "replicas", "browser", "browser_factory", "llamacpp",
+                    "vllm_servers"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Files that run as long as the SmolLM2 group (the images' builds): started as early, so that none starts last.
-LONGEST_FILES = {"test_container.py"}
+LONGEST_FILES = {"test_container.py", "test_served_vllm.py"}
 
 
 def schedule(items) -> None:

@@ -53,6 +53,7 @@ class LogprobServer:
     no_bias: bool = False
     bos: bool = False  # adds a BOS to text prompts (as vLLM does for Llama 3 without add_special_tokens: false)
     label_ids: bool = True  # vllm: 0.32's logprob_token_ids (False: an older vLLM, which ignores the field)
+    thinks: bool = False  # a thinking model: thinking on unless the request turns it off (Ollama's default)
     seen: list[dict] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -205,7 +206,13 @@ class LogprobServer:
         position = None if k is None or self.no_logprobs else self._position(logprobs, chosen, k, chat, body)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": position}
         text = self.printed(chosen)
-        if chat:
+        if self.thinks and body.get("reasoning_effort") != "none" and \
+                (body.get("chat_template_kwargs") or {}).get("enable_thinking") is not False:
+            # the model opens its reasoning: Ollama splits it off as "reasoning", the first token is <think>
+            if position is not None:
+                position["content"][0].update(token="<think>", logprob=-0.01, bytes=list(b"<think>"))
+            choice["message"] = {"role": "assistant", "content": "", "reasoning": "Okay"}
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text

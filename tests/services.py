@@ -67,3 +67,29 @@ def start_chromium(*args: str):
     except WebDriverException as error:
         unavailable(f"headless Chromium did not start: {error.msg}")
         raise
+
+
+def start_vllm(folder, name: str, *args: str):
+    """vLLM serving ``folder`` (``decisiond.bench.services.start_vllm``), its environment made first where it is
+    missing (``tests/install_vllm.sh``, under a lock: one worker installs, the others wait)."""
+    install_vllm()
+    try:
+        return services.start_vllm(folder, name, args=args)
+    except services.Unavailable as error:
+        unavailable(str(error))
+        raise
+
+
+def install_vllm() -> None:
+    import fcntl
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with open(root / ".venv-vllm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run(["bash", str(root / "tests" / "install_vllm.sh")], capture_output=True, text=True,
+                              timeout=1200)
+    if done.returncode != 0:
+        unavailable(f"vLLM could not be installed: {(done.stderr or done.stdout)[-800:]}")
+    os.environ.setdefault("DECISIOND_VLLM_PYTHON", str(root / ".venv-vllm" / "bin" / "python"))

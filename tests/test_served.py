@@ -54,6 +54,7 @@ def sims(served_dir):
         "sglang": LogprobServer(model, "sglang"),
         "llamacpp": LogprobServer(model, "llamacpp", max_logprobs=100),
         "ollama": LogprobServer(model, "ollama"),
+        "ollama_think": LogprobServer(model, "ollama", thinks=True),
         "openai": LogprobServer(model, "openai", vision=True),
         "blind": LogprobServer(model, "openai"),
         "nolog": LogprobServer(model, "vllm", no_logprobs=True),
@@ -92,6 +93,9 @@ providers:
   - {name: ollama, type: logprobs, api: chat, base_url: "${UP_OLLAMA}/v1", logprobs: {restrict: none}}
   - {name: ollama_tok, type: logprobs, api: chat, base_url: "${UP_OLLAMA}/v1", tokenizer: "${SERVED_DIR}",
      logprobs: {restrict: none}}
+  - {name: ollama_think, type: logprobs, api: chat, base_url: "${UP_OLLAMA_THINK}/v1", logprobs: {restrict: none}}
+  - {name: ollama_think_generic, type: logprobs, api: chat, base_url: "${UP_OLLAMA_THINK}/v1",
+     logprobs: {restrict: none, server: generic}}
   - {name: openai, type: logprobs, api: chat, base_url: "${UP_OPENAI}/v1", api_key: "sk-served-secret-123"}
   - {name: blind, type: logprobs, api: chat, base_url: "${UP_BLIND}/v1"}
   - {name: nolog, type: logprobs, base_url: "${UP_NOLOG}/v1", tokenizer: "${SERVED_DIR}"}
@@ -107,6 +111,7 @@ models:
 virtual_models:
   - {name: sturdy, targets: [dead/x, nolog/x, vllm/e503, slow/hang, vllm/tiny-served]}
   - {name: eyes, targets: [blind/gpt-4o-mini, openai/gpt-4o-mini]}
+  - {name: reasoned, targets: [openai/o3-mini, openai/gpt-4o-mini]}
 """
 
 
@@ -315,6 +320,30 @@ def test_chat_without_a_tokenizer_reads_labels_by_their_text(gateway, sims):
                        "Answer with yes or no only."]
     for answer in probabilities(r.json()):
         assert math.fsum(answer) == pytest.approx(1.0)
+
+
+def test_thinking_stays_off_and_an_answer_inside_reasoning_is_refused(gateway, sims):
+    before = len(sims["ollama_think"].seen)
+    r = decide(gateway, "ollama_think/qwen3", QUESTIONS[:1])
+    assert r.status_code == 200, r.text
+    sent = [s["body"] for s in sims["ollama_think"].seen[before:] if s["path"].endswith("/chat/completions")]
+    assert sent and all(b["reasoning_effort"] == "none" for b in sent)  # Ollama: thinking is on by default
+    # told nothing of the server, decisiond cannot turn thinking off: the reply begins a reasoning block, and is
+    # refused rather than read
+    r = decide(gateway, "ollama_think_generic/qwen3", QUESTIONS[:1])
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_reasoning", r.text
+    assert "reasoning_effort none" in r.json()["error"]["message"]
+
+
+def test_a_servers_refusal_of_a_valid_request_fails_over_and_names_its_reason(oa, gateway, sims):
+    # OpenAI's reasoning models refuse logprobs: a 400 to decisiond, never to the caller, who sent nothing wrong
+    r = decide(gateway, "openai/o3-mini", QUESTIONS[:1])
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_refused", r.text
+    assert "Unsupported parameter: 'logprobs'" in r.json()["error"]["message"]
+    decision = oa.decisions.create(model="reasoned", input="I was charged twice.", questions=QUESTIONS[:1])
+    assert decision.model == "gpt-4o-mini"
+    sent = sims["openai"].seen[-1]["body"]  # OpenAI's fields only (it refuses any other), and the bound it takes
+    assert sent["max_completion_tokens"] == 1 and "max_tokens" not in sent and "repetition_penalty" not in sent
 
 
 def test_images_go_to_a_served_vision_model_as_chat_image_parts(oa, sims):

@@ -186,3 +186,74 @@ def start_llamacpp(gguf: str | os.PathLike[str], threads: int = 2, context: int 
             time.sleep(0.2)
     stop_process(process, 10)
     raise Unavailable(f"llama.cpp's server did not start within {timeout:g} s")
+
+
+@dataclass
+class VllmServer:
+    """vLLM's OpenAI-compatible server (``vllm.entrypoints.openai.api_server``) on a loopback port, in a process group
+    of its own (its engine core and worker are child processes)."""
+
+    port: int
+    model: str  # the name it answers to (--served-model-name)
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        import signal
+
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.log.unlink(missing_ok=True)
+
+
+def vllm_python() -> Path | None:
+    """The interpreter of vLLM's own environment: ``$DECISIOND_VLLM_PYTHON``, else ``.venv-vllm`` of the working
+    directory (``tests/install_vllm.sh`` makes it), where it exists."""
+    named = os.environ.get("DECISIOND_VLLM_PYTHON")
+    path = Path(named) if named else Path(".venv-vllm/bin/python").absolute()
+    return path if path.exists() else None
+
+
+def start_vllm(folder: str | os.PathLike[str], name: str, python: str | os.PathLike[str] | None = None,
+               args: tuple[str, ...] = (), dtype: str = "float32", timeout: float = 420) -> VllmServer:
+    """vLLM serving the model ``folder`` as ``name`` in ``dtype``, eager (no compilation: it starts in about a minute
+    on two cores), with 1 GiB of KV cache, once its ``/v1/models`` answers; ``args``: more of its options.
+    ``Unavailable`` where vLLM is not installed or does not start."""
+    python = python or vllm_python()
+    if python is None or not Path(python).exists():
+        raise Unavailable("vLLM is not installed (tests/install_vllm.sh makes .venv-vllm)")
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
+             name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager",
+             "--max-model-len", "2048", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+    server = VllmServer(port, name, process, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-1500:]
+            server.stop()
+            raise Unavailable(f"vLLM exited with {process.returncode}: {tail}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/models", timeout=2):
+                return server
+        except OSError:
+            time.sleep(0.5)
+    server.stop()
+    raise Unavailable(f"vLLM did not start within {timeout:g} s")

@@ -1,8 +1,8 @@
 """The reads of one prompt's label log-probabilities from a served model (``logprobs.LogprobsProvider``), in order:
 
 1. the first read: the top ``k`` and, where the server reads given token ids (vLLM's ``logprob_token_ids``), every
-   label by its id, exactly, in this one request. A server that refuses the server's own fields decisiond sent
-   (``served_servers.Server.fields``) is asked again without them, and is not sent them again for a while;
+   label by its id, exactly, in this one request. A server whose refusal names one of the fields decisiond sent for
+   its kind (``served_servers.Server.fields``) is asked again without them, and is not sent them again for a while;
 2. where a label is still missing, a read restricted to the labels (``logit_bias``, ``allowed_token_ids``), not
    where the server proved to report log-probabilities before it restricts the answer;
 3. a plain read of the top ``widen_to``, never more than the server gives: a server's refusal that names its maximum
@@ -95,10 +95,10 @@ class LabelReads:
         extra = self._fields(True)
         try:
             self.found, usage = await self._ask({}, self.options.top_logprobs, "", extra)
-        except Refusal:
-            if not extra:
+        except Refusal as refusal:
+            if not any(name in refusal.reason for name in extra):
                 raise
-            self.facts.learn(facts.PLAIN_ONLY, True)  # it refuses the fields of its kind: OpenAI's alone, for now
+            self.facts.learn(facts.PLAIN_ONLY, True)  # it refuses a field of its kind: OpenAI's alone, for now
             self.found, usage = await self._ask({}, self.options.top_logprobs, "", {})
         return self.found, usage
 
@@ -109,8 +109,10 @@ class LabelReads:
         if restrict and not self.facts.get(facts.RESTRICTION_IGNORED):
             got, more = await self._refusable(restrict, k, "restricted to the labels (" + ", ".join(restrict) + ")")
             usage = added(usage, more)
-            if not any(g is not None and f is None for f, g in zip(found, got)):
-                self.facts.learn(facts.RESTRICTION_IGNORED, True)  # log-probabilities read before the restriction
+            if not served.complete(got):
+                # log-probabilities read before the restriction (its top k may hold the chosen label alone, at its
+                # unrestricted log-probability): the widened read is the way on
+                self.facts.learn(facts.RESTRICTION_IGNORED, True)
             else:
                 try:
                     fallback = served.combine(found, got)
