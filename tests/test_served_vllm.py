@@ -37,8 +37,11 @@ providers:
   - {name: meta, type: logprobs, base_url: "${VLLM_META}", tokenizer: "${META_DIR}", timeout: 60}
   - {name: qwen, type: logprobs, base_url: "${VLLM_QWEN}", tokenizer: "${QWEN_DIR}", timeout: 60}
   - {name: qwen_chat, type: logprobs, api: chat, base_url: "${VLLM_QWEN}", tokenizer: "${QWEN_DIR}", timeout: 60}
-  # the same, told the server is a generic one: thinking is then not turned off
-  - {name: qwen_generic, type: logprobs, api: chat, base_url: "${VLLM_QWEN}", tokenizer: "${QWEN_DIR}", timeout: 60,
+  # without the tokenizer (labels by their text), once with the server read from /v1/models and once told it is a
+  # generic one: decisiond then sends OpenAI's fields only, and cannot turn thinking off
+  - {name: qwen_plain, type: logprobs, api: chat, base_url: "${VLLM_QWEN}", timeout: 60,
+     logprobs: {widen_to: "${QWEN_VOCAB}"}}
+  - {name: qwen_generic, type: logprobs, api: chat, base_url: "${VLLM_QWEN}", timeout: 60,
      logprobs: {server: generic, widen_to: "${QWEN_VOCAB}"}}
 models:
   - {name: there, provider: vllm, upstream: smol}
@@ -153,8 +156,8 @@ def test_a_sentencepiece_model_is_read_by_token_id_after_a_control_token(gateway
 def test_a_thinking_model_is_read_with_thinking_off_on_both_routes(gateway):
     assert worst_gap(gateway, "qwen/tiny", "qwen-local") <= 1e-4
     assert worst_gap(gateway, "qwen_chat/tiny", "qwen-local", QUESTIONS[:3]) <= 1e-4  # enable_thinking: false sent
-    # told nothing of the server, decisiond sends OpenAI's fields only: the template then leaves thinking on, and the
-    # answers are read at another position (what the check above would catch); the labels are then read from a plain
-    # read of the whole vocabulary (this server was started with --max-logprobs -1; vLLM fails on a top k larger
-    # than the vocabulary)
-    assert worst_gap(gateway, "qwen_generic/tiny", "qwen-local", QUESTIONS[:3]) > 1e-3
+    # without a tokenizer, thinking is turned off by the field of the server's kind (vLLM's chat_template_kwargs):
+    # told the server is a generic one, decisiond sends OpenAI's fields only, the template leaves thinking on, and the
+    # answers are read at another position; the labels are found in a plain read of the whole vocabulary (this server
+    # was started with --max-logprobs -1: vLLM fails on a top k larger than the vocabulary)
+    assert worst_gap(gateway, "qwen_generic/tiny", "qwen_plain/tiny", QUESTIONS[:3]) > 1e-3

@@ -24,6 +24,9 @@ from ..text import render_input
 NAIVE = "naive loop (transformers, 1 forward/question)"
 IN_PROCESS = "decisiond in-process"
 SERVED = "decisiond → llama.cpp's server (logprobs provider)"
+SERVED_VLLM = "decisiond → vLLM (logprobs provider)"
+# Each served engine's row, by the engine's name.
+SERVED_MODES = {"llama.cpp's server": SERVED, "vLLM": SERVED_VLLM}
 HTTP = "decisiond HTTP"
 CACHE_MISS = "response cache: miss (first ask), HTTP 1 client"
 CACHE_HIT = "response cache: hit (same request again), HTTP 1 client"

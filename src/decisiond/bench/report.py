@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from .measure import CACHE_HIT, CACHE_MISS, HTTP, IN_PROCESS, NAIVE, SERVED, percentile
+from .measure import CACHE_HIT, CACHE_MISS, HTTP, IN_PROCESS, NAIVE, SERVED_MODES, percentile
 from .workload import AGAIN, FIRST
 
 
@@ -27,12 +27,13 @@ def speedups(report: dict[str, Any]) -> dict[str, float]:
         if len(http) >= 2:
             key = f"{name}: HTTP {report['clients'][-1]} clients / HTTP {report['clients'][0]} client"
             out[key] = http[-1].qps / http[0].qps
+    served = {mode: label for label, mode in SERVED_MODES.items()}
     for r in report["rows"]:
-        if r.mode == SERVED:
+        if r.mode in served:
             local = by[(r.workload, IN_PROCESS)]
-            out[f"{r.workload}: in-process / llama.cpp's server (questions/s)"] = local.qps / r.qps
+            out[f"{r.workload}: in-process / {served[r.mode]} (questions/s)"] = local.qps / r.qps
             if r.tokens and local.tokens:
-                out[f"{r.workload}: in-process / llama.cpp's server (prompt tokens/s: "
+                out[f"{r.workload}: in-process / {served[r.mode]} (prompt tokens/s: "
                     f"{local.tokens / local.seconds:.0f} / {r.tokens / r.seconds:.0f})"] = \
                     (local.tokens / local.seconds) / (r.tokens / r.seconds)
     if (AGAIN, IN_PROCESS) in by:
@@ -99,7 +100,7 @@ def _rows(report: dict[str, Any]) -> list[str]:
     lines = ["| workload | mode | questions/s | p50 request (s) | p95 request (s) | × naive | time / FLOP bound |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        base = r.workload.removesuffix(" (beside llama.cpp)")
+        base = r.workload.split(" (beside ")[0]
         naive = next(x for x in report["rows"] if x.workload == base and x.mode == NAIVE)
         bound = report["bounds"][base]
         per_question_bound = bound["seconds"] / bound["targets"]

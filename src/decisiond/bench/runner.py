@@ -21,7 +21,7 @@ from ..engine.model import load
 from . import workload
 from .clients import fairness, post_concurrently, repeated, start_server
 from .measure import (
-    SERVED,
+    SERVED_MODES,
     MatmulRate,
     Row,
     clients_phrase,
@@ -37,7 +37,7 @@ from .measure import (
 # The CLI (``decisiond bench``) calls ``runner.markdown`` and ``runner.to_json``: they are report.py's.
 from .report import markdown as markdown
 from .report import to_json as to_json
-from .served import ServedEngine, gguf_of
+from .served import ServedEngine, gguf_of, start_served
 
 T = TypeVar("T")
 
@@ -61,8 +61,8 @@ class Session:
     fairness: dict[str, list[float]] = field(default_factory=dict)
     server_rss: dict[str, float] = field(default_factory=dict)
     server: tuple[subprocess.Popen[bytes], str] | None = None
-    # The same model in llama.cpp's server, read through the logprobs provider (``--served``).
-    served: ServedEngine | None = None
+    # The same model in llama.cpp's server and vLLM, read through the logprobs provider (``--served``).
+    served: list[ServedEngine] = field(default_factory=list)
 
     def on_worker(self, fn: Callable[[], T]) -> T:
         """All model math runs on the engine's worker thread, the naive loop's too: the same thread pool for both."""
@@ -93,24 +93,22 @@ class Session:
         self.agreement[name] = max(self.agreement.get(name, 0.0), worst)
 
     def served_side_by_side(self, name: str, requests: list[DecisionRequest], block: int = 10) -> None:
-        """llama.cpp's server (through the logprobs provider) and the in-process engine on the same requests, taking
+        """Each served engine (through the logprobs provider) and the in-process engine on the same requests, taking
         turns; a row each, with the prompt tokens each answered, and the largest difference of their
         probabilities."""
-        served = self.served
-        if served is None:
-            return
-        self.log(f"[{name}] llama.cpp's server and decisiond in-process ({len(requests)} requests), side by side …")
-        served_row, inproc_row, served_answers, results = side_by_side(
-            name, requests, len(requests), served.decide, self.engine.decide, block)
-        served_row.mode = SERVED
-        served_row.tokens = sum(r.usage.input_tokens for r in served_answers)
-        inproc_row.tokens = sum(r.usage.input_tokens for r in results)
-        inproc_row.workload = served_row.workload = f"{name} (beside llama.cpp)"
-        self.rows += [inproc_row, served_row]
-        worst = max(abs(a - b) for res, ref in zip(results, served_answers)
-                    for ans, theirs in zip(res.answers, ref.answers) for a, b in zip(ans.probabilities,
-                                                                                     theirs.probabilities))
-        self.agreement[f"{name}: llama.cpp's server vs in-process"] = worst
+        for served in self.served:
+            self.log(f"[{name}] {served.label} and decisiond in-process ({len(requests)} requests), side by side …")
+            served_row, inproc_row, served_answers, results = side_by_side(
+                name, requests, len(requests), served.decide, self.engine.decide, block)
+            served_row.mode = SERVED_MODES[served.label]
+            served_row.tokens = sum(r.usage.input_tokens for r in served_answers)
+            inproc_row.tokens = sum(r.usage.input_tokens for r in results)
+            inproc_row.workload = served_row.workload = f"{name} (beside {served.label})"
+            self.rows += [inproc_row, served_row]
+            worst = max(abs(a - b) for res, ref in zip(results, served_answers)
+                        for ans, theirs in zip(res.answers, ref.answers) for a, b in zip(ans.probabilities,
+                                                                                         theirs.probabilities))
+            self.agreement[f"{name}: {served.label} vs in-process"] = worst
 
     def add(self, row: Row) -> None:
         """A row, or more of a row already measured (the same workload and mode)."""
@@ -137,9 +135,9 @@ class Session:
             self.server_rss[workload_name] = max(self.server_rss.get(workload_name, 0.0), peak)
 
     def close(self) -> None:
-        if self.served is not None:
-            self.served.close()
-            self.served = None
+        for served in self.served:
+            served.close()
+        self.served = []
         if self.server is not None:
             self.server[0].terminate()
             self.server[0].wait(timeout=30)
@@ -176,7 +174,7 @@ def run(model: str = "default", tickets: int = 200, question_sets: tuple[int, ..
     session = start(model, dtype, device, prefix_cache_mb, clients, log)
     if gguf is not None:
         log("starting llama.cpp's server …")
-        session.served = ServedEngine(gguf, session.engine, torch.get_num_threads())
+        session.served = start_served(gguf, session.engine, torch.get_num_threads(), log)
     try:
         for count in question_sets:
             question_set(session, count, tickets, naive_tickets or tickets)

@@ -1,6 +1,8 @@
-"""The served-engine row of ``decisiond bench --served``: the benchmark's model served by llama.cpp's server
-(llama-cpp-python on the model's GGUF, with as many threads as the in-process engine has) and read through decisiond's
-``logprobs`` provider, beside the in-process engine on the same tickets, the two taking turns."""
+"""The served-engine rows of ``decisiond bench --served``: the benchmark's model served by llama.cpp's server
+(llama-cpp-python on the model's GGUF, with as many threads as the in-process engine has) and by vLLM (its CPU build,
+in float32, on the GGUF de-quantized to a folder; where its environment is installed: ``tests/install_vllm.sh``),
+each read through decisiond's ``logprobs`` provider, beside the in-process engine on the same tickets, taking
+turns."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ from typing import Any
 
 from ..canonical import DecisionRequest, DecisionResult
 from ..engine.local import LocalEngine
-from ..engine.model import DEFAULT_MODEL, ModelNotFound, default_gguf
+from ..engine.model import DEFAULT_MODEL, ModelNotFound, converted_gguf, default_gguf
 from ..gateway.providers.logprobs import LogprobsProvider
 from ..gateway.settings import ProviderConfig
-from .services import LlamaCppServer, start_llamacpp
+from .services import LlamaCppServer, Unavailable, VllmServer, start_llamacpp, start_vllm, vllm_python
 
 
 def gguf_of(model: str) -> Path:
@@ -29,13 +31,12 @@ def gguf_of(model: str) -> Path:
 
 
 class ServedEngine:
-    """llama.cpp's server on ``gguf`` and a logprobs provider in front of it (its own event loop, on a thread),
-    answering decisions synchronously as the in-process engine does."""
+    """A served model's ``server`` (named ``label``) and a logprobs provider in front of it (its own event loop, on a
+    thread), answering decisions synchronously as the in-process engine does."""
 
-    def __init__(self, gguf: Path, engine: LocalEngine, threads: int):
-        self.server: LlamaCppServer = start_llamacpp(gguf, threads)
-        config = ProviderConfig(name="llamacpp", type="logprobs", base_url=self.server.url, tokenizer=str(gguf),
-                                timeout=600)
+    def __init__(self, server: LlamaCppServer | VllmServer, label: str, engine: LocalEngine, tokenizer: str):
+        self.server, self.label = server, label
+        config = ProviderConfig(name=label, type="logprobs", base_url=server.url, tokenizer=tokenizer, timeout=600)
         self.provider = LogprobsProvider(config, engine.tokenizer, engine.name, engine.context_length)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -53,3 +54,19 @@ class ServedEngine:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.server.stop()
+
+
+def start_served(gguf: Path, engine: LocalEngine, threads: int, log: Any) -> list[ServedEngine]:
+    """llama.cpp's server on ``gguf`` and, where its environment is installed, vLLM on the same weights."""
+    served = [ServedEngine(start_llamacpp(gguf, threads), "llama.cpp's server", engine, str(gguf))]
+    if vllm_python() is None:
+        log("vLLM is not installed (tests/install_vllm.sh makes .venv-vllm): no vLLM row")
+        return served
+    log("starting vLLM …")
+    try:
+        server = start_vllm(converted_gguf(gguf), engine.name)
+    except Unavailable as error:
+        log(f"vLLM did not start: {error}")
+        return served
+    served.append(ServedEngine(server, "vLLM", engine, str(gguf)))
+    return served

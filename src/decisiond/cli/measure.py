@@ -87,7 +87,8 @@ def register_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                             "in BLOCKS alternating blocks of 20 (default 0: skip)")
     bench.add_argument("--served", action="store_true",
                        help="also serve the model (a GGUF: default or a .gguf file) with llama.cpp's server "
-                            "(llama-cpp-python, as many threads as the in-process engine) and time decisions read "
+                            "(llama-cpp-python, as many threads as the in-process engine) and, where installed "
+                            "(tests/install_vllm.sh), vLLM in float32 on the same weights, and time decisions read "
                             "through the logprobs provider, taking turns with the in-process engine on the same "
                             "tickets")
     bench.add_argument("--gateway", action="store_true",
