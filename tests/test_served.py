@@ -244,6 +244,37 @@ def test_an_older_vllm_is_never_asked_for_more_than_its_maximum(gateway, sims):
     assert [s["body"]["logprobs"] for s in sims["vllm_raw"].seen[again:]] == [8, 20]
 
 
+def test_the_reservation_covers_every_read_a_decision_sends(sims, served_dir):
+    """A decision whose prompt takes four reads (plain, restricted, a refused wide read, the read at the server's
+    maximum) bills four prompts: the budget's worst case (``input_tokens``) covers them, and one output token each."""
+    import asyncio
+
+    from decisiond.dialects.openai.parse import parse_request
+    from decisiond.engine.model import load_tokenizer
+    from decisiond.gateway.providers.logprobs import LogprobsProvider
+    from decisiond.gateway.settings import ProviderConfig
+
+    loaded = load_tokenizer(served_dir)
+    provider = LogprobsProvider(ProviderConfig(name="old", type="logprobs", base_url=sims["vllm_raw"].url + "/v1",
+                                               tokenizer=served_dir, logprobs={"prompt": "ids", "top_logprobs": 8,
+                                                                               "restrict": "allowed_token_ids"}),
+                                loaded.tokenizer, loaded.name, loaded.context_length)
+    request = parse_request({"model": "x", "input": "A ticket about a refund", "questions": [EIGHT]})
+
+    async def run():
+        try:
+            reserved = await provider.input_tokens(request), await provider.output_tokens(request)
+            return reserved, (await provider.decide(request, "x")).usage
+        finally:
+            await provider.aclose()
+
+    before = len(sims["vllm_raw"].seen)
+    (inputs, outputs), usage = asyncio.run(run())
+    assert len(sims["vllm_raw"].seen) - before == 4  # every read this server can take for one prompt
+    assert usage.input_tokens <= inputs and usage.output_tokens <= outputs
+    assert usage.input_tokens > inputs / provider.most_reads()  # a reservation of one read a prompt would not cover it
+
+
 def test_a_label_the_server_cannot_score_is_a_502_naming_the_option_and_the_fix(gateway, sims):
     before = len(sims["vllm_old8"].seen)
     r = decide(gateway, "vllm_old8/x", [EIGHT])  # at most 8, raw: neither the restriction nor a wider read helps

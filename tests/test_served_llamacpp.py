@@ -10,8 +10,8 @@ import math
 
 import openai
 import pytest
-from servers import start_decisiond
 from gguf_f32 import write_f32
+from servers import start_decisiond
 from services import start_llamacpp
 
 pytestmark = pytest.mark.model  # decisiond's in-process side runs the real SmolLM2 model
