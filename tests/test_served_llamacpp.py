@@ -11,6 +11,7 @@ import math
 import openai
 import pytest
 from gguf_f32 import write_f32
+from served_tickets import INPUTS, QUESTIONS
 from servers import start_decisiond
 from services import start_llamacpp
 
@@ -29,24 +30,6 @@ models:
   - {name: there, provider: llamacpp, upstream: "${LLAMACPP_MODEL}"}
   - {name: there_f32, provider: llamacpp_f32, upstream: "${LLAMACPP_F32_MODEL}"}
 """
-
-INPUTS = [
-    "I was charged twice for the same order and nobody answers my emails. Fix this today!",
-    "Could you tell me which plans include priority support? Thanks a lot.",
-    "The app crashes every time I open the settings page on my phone.",
-]
-QUESTIONS = [
-    {"type": "predicate", "name": "complaint", "instructions": "The customer is complaining."},
-    {"type": "choice", "name": "team", "instructions": "Which team should handle this message?",
-     "choices": [{"value": "billing", "description": "charges, refunds, invoices"},
-                 {"value": "support", "description": "bugs and crashes"}, {"value": "sales"}]},
-    {"type": "score", "name": "urgency", "instructions": "How urgent is this message?",
-     "levels": [{"label": "not urgent"}, {"label": "somewhat urgent"}, {"label": "very urgent"}]},
-    {"type": "choice", "name": "topic", "instructions": "What is the message about?",
-     "choices": [{"value": v} for v in ("payment", "refund", "crash", "pricing", "account", "delivery", "privacy",
-                                         "other")]},
-]
-
 
 @pytest.fixture(scope="module")
 def llamacpp():
