@@ -10,7 +10,8 @@ documents:
   then unchecked (``sampling_params``, ``completion/protocol.py``); each token printed as 0.32's
   ``convert_ids_list_to_tokens``: ``decode([id])`` with the leading spaces of a Metaspace piece restored;
 - ``sglang``: the same routes and shapes, ``logit_bias`` applied before the log-probabilities, each token printed by
-  a lone ``decode([id])`` (``batch_decode([[id]])``: SentencePiece's ``▁A`` prints ``A``);
+  a lone ``decode([id])`` (``batch_decode([[id]])``: SentencePiece's ``▁A`` prints ``A``); and its native
+  ``/generate`` with ``token_ids_logprob`` (``meta_info.output_token_ids_logprobs``), unless not ``native``;
 - ``llamacpp``: llama.cpp's own server: ``logprobs.content[0]`` with each token's ``id`` on both routes, raw
   probabilities, ``logit_bias``; a token printed as its piece (``▁A`` prints `` A``);
 - ``ollama``: /v1/chat/completions only (its /v1/completions templates the prompt again), ``logprobs`` and
@@ -53,6 +54,7 @@ class LogprobServer:
     no_bias: bool = False
     bos: bool = False  # adds a BOS to text prompts (as vLLM does for Llama 3 without add_special_tokens: false)
     label_ids: bool = True  # vllm: 0.32's logprob_token_ids (False: an older vLLM, which ignores the field)
+    native: bool = True  # sglang: its native /generate route (False: only /v1 is reachable, as behind a proxy)
     thinks: bool = False  # a thinking model: thinking on unless the request turns it off (Ollama's default)
     seen: list[dict] = field(default_factory=list)
     in_flight: int = 0
@@ -98,6 +100,8 @@ class LogprobServer:
             return int(model[1:]), {}, {"error": {"message": f"upstream says {model}", "type": "server_error"}}
         if model == "leaky":
             return 500, {}, {"error": {"message": f"bad header {seen.headers.get('authorization')}"}}
+        if seen.path == "/generate" and self.flavor == "sglang" and self.native:
+            return self._generate(body)
         chat = seen.path.endswith("/chat/completions")
         if not chat and (self.flavor in ("ollama", "openai") or not seen.path.endswith("/completions")):
             return 404, {}, {"error": {"message": "Not Found"}}
@@ -218,6 +222,29 @@ class LogprobServer:
             choice["text"] = text
         return 200, {}, {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
                          "model": body.get("model"), "choices": [choice], "usage": usage}
+
+    def _generate(self, body: dict):
+        """SGLang's native route (``GenerateReqInput``; ``meta_info`` as ``tokenizer_manager`` fills it): entries
+        ``[logprob, id, null]`` (text only with ``return_text_in_logprobs``), after logit_bias, one list per output
+        position."""
+        ids = list(body["input_ids"])
+        logprobs = torch.log_softmax(self.logits(ids), dim=-1)
+        chosen = int(torch.argmax(logprobs))
+        k = int(body.get("top_logprobs_num") or 0)
+        top = torch.topk(logprobs, k) if k else None
+        wanted = body.get("token_ids_logprob")
+        meta: dict[str, Any] = {
+            "id": "a1", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": len(ids),
+            "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
+            "output_token_logprobs": [[float(logprobs[chosen]), chosen, None]], "output_token_logprobs_length": 1}
+        if k:
+            meta["input_top_logprobs"] = []
+            meta["output_top_logprobs"] = [[[float(v), int(i), None] for v, i in zip(top.values, top.indices)]]
+        if wanted is not None:
+            meta["input_token_ids_logprobs"] = []
+            meta["output_token_ids_logprobs"] = [[[float(logprobs[int(i)]), int(i), None] for i in wanted]]
+        meta.update(reasoning_tokens=0, completion_tokens=1, cached_tokens=self._cached_tokens(ids), e2e_latency=0.01)
+        return 200, {}, {"text": self.printed(chosen), "output_ids": [chosen], "meta_info": meta}
 
     def _position(self, logprobs: torch.Tensor, chosen: int, k: int, chat: bool, body: dict) -> dict:
         wanted = body.get("logprob_token_ids") if self.flavor == "vllm" and self.label_ids else None

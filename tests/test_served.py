@@ -51,7 +51,8 @@ def sims(served_dir):
         "vllm_old8": LogprobServer(model, "vllm", max_logprobs=8, label_ids=False),
         "vllm_tight": LogprobServer(model, "vllm", max_logprobs=2, processed=True, label_ids=False),
         "vllm_processed": LogprobServer(model, "vllm", processed=True),
-        "sglang": LogprobServer(model, "sglang"),
+        "sglang": LogprobServer(model, "sglang", native=False),  # its OpenAI routes only, as behind a proxy
+        "sglang_native": LogprobServer(model, "sglang"),
         "llamacpp": LogprobServer(model, "llamacpp", max_logprobs=100),
         "ollama": LogprobServer(model, "ollama"),
         "ollama_think": LogprobServer(model, "ollama", thinks=True),
@@ -86,6 +87,8 @@ providers:
      logprobs: {prompt: ids, top_logprobs: 8, restrict: allowed_token_ids}}
   - {name: vllm_processed, type: logprobs, base_url: "${UP_VLLM_PROCESSED}/v1", tokenizer: "${SERVED_DIR}",
      logprobs: {prompt: ids, top_logprobs: 8, restrict: allowed_token_ids}}
+  - {name: sglang_native, type: logprobs, base_url: "${UP_SGLANG_NATIVE}/v1", tokenizer: "${SERVED_DIR}",
+     logprobs: {top_logprobs: 8}}
   - {name: sglang, type: logprobs, base_url: "${UP_SGLANG}/v1", tokenizer: "${SERVED_DIR}",
      logprobs: {top_logprobs: 8, concurrency: 2}}
   - {name: llamacpp, type: logprobs, api: completions, base_url: "${UP_LLAMACPP}/v1", tokenizer: "${SERVED_DIR}",
@@ -166,7 +169,8 @@ def close(a: list[list[float]], b: list[list[float]], tolerance: float) -> bool:
 # ------------------------------------------------------------------------------------ the same answers
 
 
-@pytest.mark.parametrize("model", ["there", "llamacpp/tiny-served", "sglang/tiny-served", "vllm_processed/x",
+@pytest.mark.parametrize("model", ["there", "llamacpp/tiny-served", "sglang/tiny-served", "sglang_native/x",
+                                   "vllm_processed/x",
                                    "ollama_tok/tiny-served"])
 def test_served_answers_equal_the_in_process_engine_on_the_same_weights(gateway, model):
     local = decide(gateway, "tiny-local", [*QUESTIONS, EIGHT])
@@ -199,7 +203,7 @@ def test_one_request_per_question_concurrently_with_a_bound_and_the_input_shared
     r = decide(gateway, "sglang/tiny-served", questions, text="A long shared document. " * 40)
     assert r.status_code == 200, r.text
     assert len(sglang.seen) - before >= 6 and sglang.most_in_flight == 2  # logprobs.concurrency: 2
-    prompts = [s["body"]["prompt"] for s in sglang.seen[before:]]
+    prompts = [s["body"]["prompt"] for s in sglang.seen[before:] if s["path"].endswith("/completions")]
     assert all(isinstance(p, str) and "A long shared document." in p for p in prompts)  # prompt: text
     assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the server's prefix cache, as it says
 
@@ -208,7 +212,7 @@ def test_a_label_past_the_top_k_is_read_from_a_restricted_second_read(gateway, s
     before = len(sims["sglang"].seen)
     r = decide(gateway, "sglang/tiny-served", [EIGHT])  # top_logprobs 8, eight labels, some ranked lower
     assert r.status_code == 200, r.text
-    sent = [s["body"] for s in sims["sglang"].seen[before:]]
+    sent = [s["body"] for s in sims["sglang"].seen[before:] if s["path"].endswith("/completions")]
     assert len(sent) == 2 and "logit_bias" not in sent[0] and len(sent[1]["logit_bias"]) == 8
     assert all(v == 100 for v in sent[1]["logit_bias"].values())
     assert len(r.json()["answers"][0]["probabilities"]) == 8
@@ -227,6 +231,23 @@ def test_vllm_reads_every_label_by_its_id_in_one_request_per_prompt(gateway, sim
     # the settings that keep the read exact (vLLM takes the model's generation_config.json as its defaults)
     assert all(b["repetition_penalty"] == 1.0 and b["top_k"] == -1 and b["top_p"] == 1.0 for b in sent)
     assert all(a.get("label_mass") is not None for a in r.json()["answers"])
+
+
+def test_sglang_reads_every_label_by_its_id_on_its_native_route(gateway, sims):
+    before = len(sims["sglang_native"].seen)
+    r = decide(gateway, "sglang_native/x", [EIGHT, *QUESTIONS])  # top_logprobs 8: some labels ranked lower
+    assert r.status_code == 200, r.text
+    sent = sims["sglang_native"].seen[before:]
+    assert [s["path"] for s in sent] == ["/generate"] * 4  # one request a question, on the native route
+    assert sorted(len(s["body"]["token_ids_logprob"]) for s in sent) == [2, 3, 3, 8]
+    assert all(s["body"]["sampling_params"]["repetition_penalty"] == 1.0 for s in sent)
+    assert all(a.get("label_mass") is not None for a in r.json()["answers"])
+    # behind a proxy that passes /v1 only, the route's 404 is remembered, and the OpenAI route answers
+    before = len(sims["sglang"].seen)
+    assert decide(gateway, "sglang/tiny-served", QUESTIONS[:1], text="Behind a proxy").status_code == 200
+    assert decide(gateway, "sglang/tiny-served", QUESTIONS[:1], text="Behind a proxy, again").status_code == 200
+    paths = [s["path"] for s in sims["sglang"].seen[before:]]
+    assert paths.count("/generate") <= 1 and paths.count("/v1/completions") >= 2
 
 
 def test_an_older_vllm_is_never_asked_for_more_than_its_maximum(gateway, sims):
@@ -416,7 +437,7 @@ def test_usage_and_cost_come_from_the_servers_usage(gateway, sims):
     r = decide(gateway, "priced", QUESTIONS)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    sent = sims["sglang"].seen[before:]
+    sent = [s for s in sims["sglang"].seen[before:] if s["path"].endswith("/completions")]
     assert usage["input_tokens"] > 0 and usage["output_tokens"] == len(sent)
     assert float(r.headers["x-decisiond-cost"]) > 0
 

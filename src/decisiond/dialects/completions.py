@@ -88,7 +88,7 @@ def chat_body(model: str, text: str, images: Sequence[Image], k: int, restrict: 
     return body
 
 
-def _number(value: Any) -> float:
+def number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"a log-probability must be a number, not {value!r}")
     return float(value)
@@ -97,7 +97,7 @@ def _number(value: Any) -> float:
 def _candidate(text: Any, logprob: Any, id_: Any = None) -> Candidate:
     if isinstance(text, str) and text.startswith(TOKEN_ID_PREFIX) and text[len(TOKEN_ID_PREFIX):].isdigit():
         id_ = int(text[len(TOKEN_ID_PREFIX):])
-    return Candidate(_number(logprob), text if isinstance(text, str) else None,
+    return Candidate(number(logprob), text if isinstance(text, str) else None,
                      id_ if isinstance(id_, int) and not isinstance(id_, bool) else None)
 
 

@@ -6,7 +6,9 @@ as each server's own source reads its requests. Pure: no model, no network.
   field (its request models take unknown fields) and answers the top ``k``. ``return_tokens_as_token_ids`` prints
   every token as ``token_id:N``. Its defaults come from the model's ``generation_config.json`` (Qwen2.5 ships
   ``repetition_penalty: 1.05``), which ``processed_logprobs`` would include, so the neutral values are sent.
-- ``sglang``: the same neutral sampling fields; thinking off through ``chat_template_kwargs``.
+- ``sglang``: its native ``/generate`` route reads given token ids (``token_ids_logprob``), where decisiond sends
+  token ids (``api: completions`` with a tokenizer); its OpenAI routes print each token by a lone ``decode``
+  (SentencePiece's ``▁A`` as ``A``). The same neutral sampling fields; thinking off through ``chat_template_kwargs``.
 - ``llamacpp`` (llama.cpp's own server and llama-cpp-python's): ``repeat_penalty`` (its default is 1.1).
 - ``ollama``: thinking on by default for thinking models; its OpenAI route turns it off with ``reasoning_effort:
   "none"``; no ``logit_bias``.
@@ -37,13 +39,15 @@ _MAXIMUM = re.compile(r"(?:max(?:imum)? allowed:?|at most|must be (?:<=|less tha
 
 @dataclass(frozen=True)
 class Server:
-    """What one kind of server takes: ``label_ids`` (vLLM's ``logprob_token_ids``), the fields that keep a read
+    """What one kind of server takes: ``label_ids`` (vLLM's ``logprob_token_ids``), ``generate_route`` (SGLang's
+    native ``/generate`` with ``token_ids_logprob``: ``dialects.generate_route``), the fields that keep a read
     exact (``exact``), its own chat fields (``chat_fields``: thinking off, the output bound its reasoning models take;
     ``template_kwargs``: it reads ``chat_template_kwargs``, sent with thinking off), the most top log-probabilities it
     gives where that is fixed, and which of its options makes a label readable that is not (named in the error)."""
 
     name: ServerName
     label_ids: bool = False
+    generate_route: bool = False
     exact: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType(dict(_NEUTRAL)))
     chat_fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     template_kwargs: bool = False
@@ -71,7 +75,7 @@ SERVERS: dict[str, Server] = {
                    fix="vLLM 0.32 or later reads each label by its token id (logprob_token_ids); on an older vLLM, "
                        "raise --max-logprobs, or start it with --logprobs-mode processed_logprobs and set "
                        "logprobs.restrict: allowed_token_ids"),
-    "sglang": Server("sglang", template_kwargs=True,
+    "sglang": Server("sglang", generate_route=True, template_kwargs=True,
                      exact=MappingProxyType({**_NEUTRAL, "repetition_penalty": 1.0, "top_p": 1.0, "top_k": -1,
                                              "min_p": 0.0}),
                      fix="set logprobs.restrict: logit_bias (SGLang applies it before its log-probabilities)"),

@@ -91,7 +91,18 @@ class LabelReads:
         return self.server.fields(self.provider.chat, self.scoring.prompt.label_ids if ids else [], self.kwargs)
 
     async def first(self) -> tuple[list[float | None], Usage]:
-        """The first read: the top ``k`` and, where the server reads them, the labels by their ids."""
+        """The first read: the top ``k`` and, where the server reads them, the labels by their ids (on SGLang, its
+        native route)."""
+        ids = self.scoring.prompt.label_ids
+        if self.server.generate_route and not self.provider.chat and ids and \
+                not self.facts.get(facts.NO_GENERATE_ROUTE):
+            try:
+                reply = await self.provider.send_generate(self.scoring, self.options.top_logprobs)
+            except Refusal:  # the route is not there (a proxy in front of /v1 only): its OpenAI route, for a while
+                self.facts.learn(facts.NO_GENERATE_ROUTE, True)
+            else:
+                self.found = served.read_labels(reply.candidates, self.tokens)
+                return self.found, reply.usage
         extra = self._fields(True)
         try:
             self.found, usage = await self._ask({}, self.options.top_logprobs, "", extra)

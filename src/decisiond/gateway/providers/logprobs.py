@@ -21,11 +21,12 @@ provider failure (502, failover), named with the option and the reason; never an
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ...canonical import DecisionRequest, DecisionResult, Image, Question, Usage
 from ...dialects import completions as wire
+from ...dialects import generate_route
 from ...dialects import served_servers as servers
 from ...engine import served
 from ...engine.assembly import Prepared
@@ -239,19 +240,32 @@ class LogprobsProvider(HttpProvider):
             prompt = scoring.prompt.ids if self.options.prompt == "ids" else scoring.prompt.text
             body = wire.completion_body(upstream, prompt, k, restrict, extra)
         route = "chat/completions" if self.chat else "completions"
+        return await self._ask(scoring, f"{self.base_url}/{route}", body, wire.read_reply, shown)
+
+    async def send_generate(self, scoring: Scoring, k: int) -> wire.Reply:
+        """One request to SGLang's native ``/generate`` route: the top ``k`` and every label by its token id; a
+        server without the route (404) refuses it."""
+        body = generate_route.generate_body(scoring.prompt.ids, k, scoring.prompt.label_ids)
+        url = f"{generate_route.root(self.base_url)}/generate"
+        return await self._ask(scoring, url, body, generate_route.read_generate_reply, [], missing_refuses=True)
+
+    async def _ask(self, scoring: Scoring, url: str, body: dict[str, Any], read: Callable[[Any], wire.Reply],
+                        shown: list[Image], missing_refuses: bool = False) -> wire.Reply:
+        """POST ``body`` and ``read`` the reply; a server's refusal of a request decisiond checked is a ``Refusal``
+        (a 404 too, where ``missing_refuses``: a route the server lacks)."""
         try:
-            data = await self.post(f"{self.base_url}/{route}", self._auth(), json=body)
+            data = await self.post(url, self._auth(), json=body)
         except ProviderError as error:
-            if error.failover or error.status in (401, 403, 404):
+            if error.failover or error.status in (401, 403) or (error.status == 404 and not missing_refuses):
                 raise
             if shown and servers.about_images(error.message):
                 raise self._refused_images(shown, error) from None
             raise Refusal(self.name, error.status, error.message) from None
         try:
-            reply = wire.read_reply(data)
+            reply = read(data)
         except wire.NoLogprobs as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} answered without log-probabilities ({e}); "
-                                 "the server must support logprobs on its /v1/" + route + " route",
+                                 f"the server must support logprobs on {url.rsplit('/', 1)[-1]}",
                                  code="upstream_no_logprobs") from None
         except (ValueError, TypeError, AttributeError) as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",

@@ -12,8 +12,10 @@ from typing import Any
 from ...limits import SERVED_LEARNED_S
 
 # The facts: the server behind the URL (dialects.served_servers.Server), that it reads its log-probabilities before it
-# restricts the answer, that it refused decisiond's extra fields, and the most log-probabilities it gives.
+# restricts the answer, that it refused decisiond's extra fields, the most log-probabilities it gives, and that its
+# native route (SGLang's /generate) is not there.
 SERVER, RESTRICTION_IGNORED, PLAIN_ONLY, MOST_LOGPROBS = "server", "restriction_ignored", "plain_only", "max_logprobs"
+NO_GENERATE_ROUTE = "no_generate_route"
 
 
 class Facts:
