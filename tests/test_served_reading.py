@@ -92,3 +92,48 @@ def test_the_restriction_bodies():
     chat = wire.chat_body("m", "Q?", [], 5, {}, {"enable_thinking": False})
     assert chat["logprobs"] is True and chat["top_logprobs"] == 5
     assert chat["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_what_is_learned_of_a_server_is_learned_again_after_a_while():
+    """A server is upgraded or restarted: a fact learned from its replies (that it ignores a restriction, its most
+    log-probabilities) is forgotten after ``ttl`` seconds of a clock the test moves."""
+    from decisiond.gateway.providers.served_facts import RESTRICTION_IGNORED, Facts
+
+    now = [1000.0]
+    facts = Facts(ttl=300, clock=lambda: now[0])
+    facts.learn(RESTRICTION_IGNORED, True)
+    now[0] += 299.9
+    assert facts.get(RESTRICTION_IGNORED) is True
+    now[0] += 0.2
+    assert facts.get(RESTRICTION_IGNORED) is None
+
+
+def test_each_server_is_told_apart_by_its_model_card_and_sent_only_what_it_takes():
+    from decisiond.dialects import served_servers as servers
+
+    def owner(name: str) -> str:
+        return servers.detect({"object": "list", "data": [{"id": "m", "owned_by": name}]}).name
+
+    assert [owner(n) for n in ("vllm", "sglang", "llamacpp", "me", "library", "system", "someone")] == \
+        ["vllm", "sglang", "llamacpp", "llamacpp", "ollama", "openai", "generic"]
+    assert servers.detect({"detail": "Not Found"}).name == "generic"
+    vllm = servers.SERVERS["vllm"].fields(False, [5, 6], {})
+    assert vllm["logprob_token_ids"] == [5, 6] and vllm["repetition_penalty"] == 1.0
+    assert "logprob_token_ids" not in servers.SERVERS["vllm"].fields(False, list(range(129)), {})  # vLLM's bound
+    chat = servers.SERVERS["vllm"].fields(True, [], {"enable_thinking": False, "tone": "dry"})
+    assert chat["chat_template_kwargs"] == {"enable_thinking": False, "thinking": False, "tone": "dry"}
+    assert servers.SERVERS["ollama"].fields(True, [], {})["reasoning_effort"] == "none"
+    assert set(servers.SERVERS["openai"].fields(True, [1], {})) == {"frequency_penalty", "presence_penalty",
+                                                                   "max_completion_tokens"}
+    assert servers.maximum("Requested sample logprobs of 1000, which is greater than max allowed: 20") == 20
+    assert servers.maximum("top_logprobs must be between 0 and 20") is None  # no maximum read where none is named
+
+
+def test_a_label_token_is_compared_with_the_text_it_adds_in_context(tokenizer):
+    from decisiond.gateway.providers.label_reads import in_context
+
+    prompt = tokenizer.encode("Answer with yes or no only.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    yes = tokenizer.encode("yes", add_special_tokens=False)[0]
+    assert in_context(tokenizer, prompt, yes) == "yes"
+    spaced = tokenizer.encode(" A", add_special_tokens=False)[0]
+    assert in_context(tokenizer, prompt, spaced) == " A"

@@ -274,13 +274,14 @@ class LogprobsProvider(HttpProvider):
         return reply
 
     def _check_reply(self, scoring: Scoring, reply: wire.Reply) -> None:
-        """Refuse a reply read at another position than decisiond's: after a reasoning block, or from a prompt the
-        server tokenized into another count of tokens."""
+        """Refuse a reply read at another position than decisiond's: inside a reasoning block (the server split
+        reasoning off, or, on the chat route, where the server renders the template, the answer opens one), or from a
+        prompt the server tokenized into another count of tokens."""
         chosen = reply.candidates[0]
         text = chosen.text or ""
         if chosen.id is not None and self.tokenizer is not None and text.startswith(wire.TOKEN_ID_PREFIX):
             text = str(self.tokenizer.decode([chosen.id]))
-        if reply.reasoning or text.strip() in REASONING_OPENERS:
+        if reply.reasoning or (self.chat and text.strip() in REASONING_OPENERS):  # completions: decisiond's template
             raise provider_error(self.name, 502, f"provider {self.name!r} answered inside a reasoning block (its "
                                  f"answer begins {(text or reply.reasoning[:20])!r}), so no answer position can be "
                                  "read: turn thinking off on the server (chat_template_kwargs enable_thinking: false; "
