@@ -64,7 +64,7 @@ def start_served(gguf: Path, engine: LocalEngine, threads: int, log: Any) -> lis
         return served
     log("starting vLLM …")
     try:
-        server = start_vllm(converted_gguf(gguf), engine.name)
+        server = start_vllm(converted_gguf(gguf), engine.name, context=engine.context_length)
     except Unavailable as error:
         log(f"vLLM did not start: {error}")
         return served

@@ -226,10 +226,11 @@ def vllm_python() -> Path | None:
 
 
 def start_vllm(folder: str | os.PathLike[str], name: str, python: str | os.PathLike[str] | None = None,
-               args: tuple[str, ...] = (), dtype: str = "float32", timeout: float = 420) -> VllmServer:
+               args: tuple[str, ...] = (), dtype: str = "float32", context: int = 2048,
+               timeout: float = 420) -> VllmServer:
     """vLLM serving the model ``folder`` as ``name`` in ``dtype``, eager (no compilation: it starts in about a minute
-    on two cores), with 1 GiB of KV cache, once its ``/v1/models`` answers; ``args``: more of its options.
-    ``Unavailable`` where vLLM is not installed or does not start."""
+    on two cores), with 1 GiB of KV cache and a context of ``context`` tokens, once its ``/v1/models`` answers;
+    ``args``: more of its options. ``Unavailable`` where vLLM is not installed or does not start."""
     python = python or vllm_python()
     if python is None or not Path(python).exists():
         raise Unavailable("vLLM is not installed (tests/install_vllm.sh makes .venv-vllm)")
@@ -241,7 +242,7 @@ def start_vllm(folder: str | os.PathLike[str], name: str, python: str | os.PathL
         process = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
              name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager",
-             "--max-model-len", "2048", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+             "--max-model-len", str(context), *args], stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True)
     server = VllmServer(port, name, process, log)
     deadline = time.monotonic() + timeout

@@ -11,11 +11,14 @@ option orders, content-free calibration prompts and answers. Only the label log-
   ``top_logprobs``): the server's template applies and the answer is the first token; the request's images go as
   chat image parts. Labels are found by their token ids with a ``tokenizer:``, else by their text.
 
-Each prompt is one request (one more, restricted to the labels, where a label is not among the top ``k``:
-``engine.served``); a decision's prompts go out concurrently, at most ``logprobs.concurrency`` at a time, and share
-the input, which the server's prefix cache (vLLM's and SGLang's automatic prefix caching, llama.cpp's slots) computes
-once. A server that cannot be reached, a reply without log-probabilities or a label the server cannot score is a
-provider failure (502, failover), named with the option and the reason; never an answer made up.
+Each prompt is one request, which reads every label by its token id where the server can (vLLM's
+``logprob_token_ids``, SGLang's native ``token_ids_logprob``; which server it is comes from its ``/v1/models``:
+``dialects.served_servers``), and otherwise more where a label is not among the top ``k`` (``label_reads``); a
+decision's prompts go out concurrently, at most ``logprobs.concurrency`` at a time, and share the input, which the
+server's prefix cache (vLLM's and SGLang's automatic prefix caching, llama.cpp's slots) computes once. A server
+that cannot be reached, a reply without log-probabilities, a label the server cannot score, a server's refusal of a
+request decisiond checked and an answer inside a reasoning block are provider failures (502, failover), named with
+the option and the reason; never an answer made up.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class LogprobsProvider(HttpProvider):
         self._deciders: Lru[Decider] = Lru(UPSTREAM_ENTRIES)
         # What this provider learned of its server from its replies, each fact for a while (served_facts).
         self.facts = Facts()
+        self._rendered: tuple[DecisionRequest, list[Scoring]] | None = None
         self.decider("")  # the config's order and calibrate checked now, not at the first request
 
     @classmethod
@@ -128,21 +132,25 @@ class LogprobsProvider(HttpProvider):
     async def input_tokens(self, request: DecisionRequest) -> int | None:
         """The most input tokens ``request`` can send: every prompt (each rendering and calibration input), as many
         times as one prompt can be read (``most_reads``)."""
-        if self.tokenizer is None:
-            return None
-        decider = self.decider("")
-        prepared = await asyncio.to_thread(decider.prepare, request)
-        scorings, _ = await asyncio.to_thread(decider.prompts, prepared)
-        return sum(len(s.prompt.ids) for s in scorings) * self.most_reads()
+        scorings = await self._scorings(request)
+        return None if scorings is None else sum(len(s.prompt.ids) for s in scorings) * self.most_reads()
 
     async def output_tokens(self, request: DecisionRequest) -> int | None:
         """The most output tokens: one a read."""
+        scorings = await self._scorings(request)
+        return None if scorings is None else len(scorings) * self.most_reads()
+
+    async def _scorings(self, request: DecisionRequest) -> list[Scoring] | None:
+        """The prompts ``request`` sends (None without a tokenizer to render them with); the last request's kept,
+        since a budget asks for its input and its output tokens in turn."""
         if self.tokenizer is None:
             return None
+        if self._rendered is not None and self._rendered[0] is request:
+            return self._rendered[1]
         decider = self.decider("")
-        prepared = await asyncio.to_thread(decider.prepare, request)
-        scorings, _ = await asyncio.to_thread(decider.prompts, prepared)
-        return len(scorings) * self.most_reads()
+        scorings, _ = await asyncio.to_thread(lambda: decider.prompts(decider.prepare(request)))
+        self._rendered = (request, scorings)
+        return scorings
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
         if self.tokenizer is None:
@@ -192,7 +200,7 @@ class LogprobsProvider(HttpProvider):
         return [served.LabelToken(label, i, in_context(self.tokenizer, scoring.prompt.ids, i))
                 for label, i in zip(labels, ids)]
 
-    async def _server(self, upstream: str) -> servers.Server:
+    async def _server(self) -> servers.Server:
         """The server behind ``base_url``: configured, or read from its ``/v1/models`` (``generic`` where that
         fails), and learned again after a while."""
         if self.options.server != "auto":
@@ -215,18 +223,19 @@ class LogprobsProvider(HttpProvider):
         ``logprob_token_ids``) holds every label exactly; where a label is missing, a read restricted to the labels
         (not where this server proved to report log-probabilities before its restriction), then a plain read of
         the top ``widen_to``, at most the server's maximum."""
-        reads = LabelReads(self, scoring, upstream, images, kwargs, await self._server(upstream))
+        reads = LabelReads(self, scoring, upstream, images, kwargs, await self._server())
         found, usage = await reads.first()
         if served.complete(found):
             return Read([v for v in found if v is not None], True, usage)
         return await reads.fall_back(found, usage)
 
     def most_reads(self) -> int:
-        """The most requests one prompt can take (what a budget reserves): the first read and its retry without
-        the server's own fields, the restricted read, the widened read and its retry at the server's maximum."""
+        """The most requests one prompt can take (what a budget reserves): on completions a native route's read
+        (SGLang's), the first read and its retry without the server's own fields, the restricted read, the widened
+        read and its retry at the server's maximum."""
         restricted = self.options.restrict != "none"
         widened = self.options.widen_to > self.options.top_logprobs
-        return 2 + restricted + 2 * widened
+        return 2 + (not self.chat) + restricted + 2 * widened
 
     async def send(self, scoring: Scoring, upstream: str, images: list[Image], kwargs: dict[str, Any],
                    restrict: dict[str, Any], k: int, extra: dict[str, Any]) -> wire.Reply:
