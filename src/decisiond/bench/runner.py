@@ -92,11 +92,14 @@ class Session:
                     for ans, probs in zip(res.answers, ref) for a, b in zip(ans.probabilities, probs))
         self.agreement[name] = max(self.agreement.get(name, 0.0), worst)
 
-    def served_side_by_side(self, name: str, requests: list[DecisionRequest], block: int = 10) -> None:
+    def served_side_by_side(self, name: str, requests_for: Callable[[int], list[DecisionRequest]],
+                            block: int = 10) -> None:
         """Each served engine (through the logprobs provider) and the in-process engine on the same requests, taking
         turns; a row each, with the prompt tokens each answered, and the largest difference of their
-        probabilities."""
-        for served in self.served:
+        probabilities. Each engine gets requests of its own (``requests_for(i)``), so that the in-process engine's
+        prefix cache holds none of them from the engine before."""
+        for i, served in enumerate(self.served):
+            requests = requests_for(i)
             self.log(f"[{name}] {served.label} and decisiond in-process ({len(requests)} requests), side by side …")
             served_row, inproc_row, served_answers, results = side_by_side(
                 name, requests, len(requests), served.decide, self.engine.decide, block)
@@ -214,7 +217,8 @@ def question_set(session: Session, count: int, tickets: int, naive_tickets: int)
     session.bounds[name] = flop_work(session.engine, requests)
     session.warm(warm)
     session.side_by_side(name, requests, min(len(requests), naive_tickets))
-    session.served_side_by_side(name, workload.requests(tickets, count, seed=workload.TICKETS_SEED + count + 7))
+    session.served_side_by_side(
+        name, lambda i: workload.requests(tickets, count, seed=workload.TICKETS_SEED + count + 7 + 1000 * i))
     phases = {n: workload.requests(tickets, count, seed=workload.TICKETS_SEED + count + 100 * (i + 1))
               for i, n in enumerate(session.clients)}
     session.over_http(name, phases, warm, repeat=workload.requests(tickets, count, seed=1234))
@@ -241,7 +245,8 @@ def long_document_set(session: Session, count: int) -> None:
         session.side_by_side(workload.FIRST, first[start:start + workload.ASKED_TOGETHER], len(first), block=1)
         session.side_by_side(workload.AGAIN, again[start:start + workload.ASKED_TOGETHER], len(again), block=1)
     # Prefill side by side: other documents, each asked one question (nothing of them cached anywhere).
-    session.served_side_by_side(workload.FIRST, workload.long_requests(count, (workload.ASK_FIRST,), seed=31), block=1)
+    session.served_side_by_side(
+        workload.FIRST, lambda i: workload.long_requests(count, (workload.ASK_FIRST,), seed=31 + 1000 * i), block=1)
 
 
 def fairness_set(session: Session, blocks: int) -> None:
