@@ -131,7 +131,9 @@ class LabelReads:
                     raise self._unscored(e.index, e.reason) from None
                 if fallback[1] or wide <= k:
                     return Read(fallback[0], fallback[1], usage)
-        wide = min(wide, self.facts.get(facts.MOST_LOGPROBS) or self.server.max_logprobs or wide)
+        # never more than the server gives, nor than the vocabulary holds (vLLM's engine dies on a larger top k)
+        wide = min(wide, self.facts.get(facts.MOST_LOGPROBS) or self.server.max_logprobs or wide,
+                   self.provider.vocabulary or wide)
         if wide > k:
             try:
                 widened, more = await self._widened(wide)

@@ -191,6 +191,11 @@ class LogprobsProvider(HttpProvider):
                                   "logprobs.prompt: text; ids keeps them text)", "input", code="unsupported_input")
         return prepared, scorings, pending
 
+    @property
+    def vocabulary(self) -> int | None:
+        """The tokenizer's vocabulary size, where there is a tokenizer."""
+        return len(self.tokenizer) if self.tokenizer is not None else None
+
     def label_tokens(self, scoring: Scoring) -> list[served.LabelToken]:
         """Each label's token: its id and the text it adds in context (after the prompt's last tokens), as servers
         print a token; a lone ``decode`` would print SentencePiece's ``▁A`` as ``A``, the text of another token."""
