@@ -104,7 +104,7 @@ def worst_gap(gateway, served: str, local: str, questions=QUESTIONS) -> float:
     return worst
 
 
-def test_the_guides_first_config_answers_on_vllms_defaults(gateway):
+def the_guides_first_config_answers_on_vllms_defaults(gateway):
     """Labels a raw top 20 does not hold (vLLM's defaults) are read by their ids, in one request a prompt."""
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     raw = client.decisions.with_raw_response.create(model="there", input=INPUTS[0], questions=QUESTIONS)
@@ -115,7 +115,7 @@ def test_the_guides_first_config_answers_on_vllms_defaults(gateway):
     assert worst_gap(gateway, "there", "SmolLM2-135M-Instruct") <= 1e-4
 
 
-def test_the_chat_route_without_a_tokenizer_reads_labels_by_their_text(gateway):
+def the_chat_route_without_a_tokenizer_reads_labels_by_their_text(gateway):
     """Without the model's tokenizer the labels are found by their text (every spelling of a label added up), so
     the answers are the engine's in kind, not to the digit."""
     body = decide(gateway, "vllm_chat/smol", INPUTS[0], QUESTIONS[:3])
@@ -123,7 +123,7 @@ def test_the_chat_route_without_a_tokenizer_reads_labels_by_their_text(gateway):
     assert all(abs(sum(p) - 1) < 1e-9 and min(p) > 0 for p in probabilities(body))
 
 
-def test_a_sentencepiece_model_is_read_by_token_id_after_a_control_token(gateway, families):
+def a_sentencepiece_model_is_read_by_token_id_after_a_control_token(gateway, families):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(families["metaspace"])
@@ -132,7 +132,7 @@ def test_a_sentencepiece_model_is_read_by_token_id_after_a_control_token(gateway
     assert worst_gap(gateway, "meta/tiny", "meta-local") <= 1e-4
 
 
-def test_a_thinking_model_is_read_with_thinking_off_on_both_routes(gateway):
+def a_thinking_model_is_read_with_thinking_off_on_both_routes(gateway):
     assert worst_gap(gateway, "qwen/tiny", "qwen-local") <= 1e-4
     assert worst_gap(gateway, "qwen_chat/tiny", "qwen-local", QUESTIONS[:3]) <= 1e-4  # enable_thinking: false sent
     # without a tokenizer, thinking is turned off by the field of the server's kind (vLLM's chat_template_kwargs):
@@ -141,3 +141,12 @@ def test_a_thinking_model_is_read_with_thinking_off_on_both_routes(gateway):
     # was started with --max-logprobs -1: the read of the top 1000 is refused naming the vocabulary's size as its
     # maximum, and asked again at that)
     assert worst_gap(gateway, "qwen_generic/tiny", "qwen_plain/tiny", QUESTIONS[:3]) > 1e-3
+
+
+def test_real_vllm_servers_answer_as_the_in_process_engine(gateway, families):
+    """One test, so that one worker starts the three servers once (xdist spreads a file's tests over its workers,
+    and each would start its own servers: about 90 s each on two cores)."""
+    the_guides_first_config_answers_on_vllms_defaults(gateway)
+    the_chat_route_without_a_tokenizer_reads_labels_by_their_text(gateway)
+    a_sentencepiece_model_is_read_by_token_id_after_a_control_token(gateway, families)
+    a_thinking_model_is_read_with_thinking_off_on_both_routes(gateway)
