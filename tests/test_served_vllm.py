@@ -58,14 +58,13 @@ def vllm_servers(smollm_dir, families):
               "qwen": (families["qwen3"], "tiny", "--max-logprobs", "-1")}  # the whole vocabulary: see the last test
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = {key: pool.submit(start_vllm, *args) for key, args in wanted.items()}
-        running = {}
-        try:
-            for key, future in futures.items():
-                running[key] = future.result()
-        finally:
-            if len(running) < len(futures):
-                for server in running.values():
-                    server.stop()
+        concurrent.futures.wait(futures.values())
+    running = {key: f.result() for key, f in futures.items() if f.exception() is None}
+    failed = next((f for f in futures.values() if f.exception() is not None), None)
+    if failed is not None:  # every server that did start is stopped before the failure (or skip) is raised
+        for server in running.values():
+            server.stop()
+        failed.result()
     yield running
     for server in running.values():
         server.stop()

@@ -1,8 +1,8 @@
 """The served-engine rows of ``decisiond bench --served``: the benchmark's model served by llama.cpp's server
 (llama-cpp-python on the model's GGUF, with as many threads as the in-process engine has) and by vLLM (its CPU build,
 in float32, on the GGUF de-quantized to a folder; where its environment is installed: ``tests/install_vllm.sh``),
-each read through decisiond's ``logprobs`` provider, beside the in-process engine on the same tickets, taking
-turns."""
+each read through decisiond's ``logprobs`` provider, beside the in-process engine, the two taking turns on the same
+tickets (each served engine on tickets of its own)."""
 
 from __future__ import annotations
 
