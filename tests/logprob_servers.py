@@ -136,7 +136,7 @@ class LogprobServer:
             return " " * missing + text if missing > 0 else text
         return piece.replace("▁", " ") if "▁" in piece else tok.convert_tokens_to_string([piece])
 
-    def _unknown(self, body: dict, chat: bool):
+    def _unknown(self, body: dict):
         """OpenAI's refusals of fields it does not take, and of reasoning models' max_tokens and logprobs."""
         known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "logprobs", "top_logprobs",
                  "stream", "logit_bias", "frequency_penalty", "presence_penalty", "top_p", "n", "seed", "stop", "user"}
@@ -174,7 +174,7 @@ class LogprobServer:
         return tok.encode(text, add_special_tokens=False)
 
     def _answer(self, body: dict, chat: bool):
-        if self.flavor == "openai" and (refusal := self._unknown(body, chat)):
+        if self.flavor == "openai" and (refusal := self._unknown(body)):
             return refusal
         k = body.get("top_logprobs") if chat else body.get("logprobs")
         if chat and body.get("logprobs") is not True:
@@ -207,7 +207,7 @@ class LogprobServer:
         logprobs = torch.log_softmax(processed if self.processed or self.flavor == "sglang" else raw, dim=-1)
         usage = {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1,
                  "prompt_tokens_details": {"cached_tokens": self._cached_tokens(ids)}}
-        position = None if k is None or self.no_logprobs else self._position(logprobs, chosen, k, chat, body)
+        position = None if k is None or self.no_logprobs else self._position(logprobs, chosen, k, chat, body, wanted)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": position}
         text = self.printed(chosen)
         if self.thinks and body.get("reasoning_effort") != "none" and \
@@ -225,8 +225,7 @@ class LogprobServer:
 
     def _generate(self, body: dict):
         """SGLang's native route (``GenerateReqInput``; ``meta_info`` as ``tokenizer_manager`` fills it): entries
-        ``[logprob, id, null]`` (text only with ``return_text_in_logprobs``), after logit_bias, one list per output
-        position."""
+        ``[logprob, id, null]`` (text only with ``return_text_in_logprobs``), one list per output position."""
         ids = list(body["input_ids"])
         logprobs = torch.log_softmax(self.logits(ids), dim=-1)
         chosen = int(torch.argmax(logprobs))
@@ -246,8 +245,8 @@ class LogprobServer:
         meta.update(reasoning_tokens=0, completion_tokens=1, cached_tokens=self._cached_tokens(ids), e2e_latency=0.01)
         return 200, {}, {"text": self.printed(chosen), "output_ids": [chosen], "meta_info": meta}
 
-    def _position(self, logprobs: torch.Tensor, chosen: int, k: int, chat: bool, body: dict) -> dict:
-        wanted = body.get("logprob_token_ids") if self.flavor == "vllm" and self.label_ids else None
+    def _position(self, logprobs: torch.Tensor, chosen: int, k: int, chat: bool, body: dict,
+                  wanted: list[int] | None) -> dict:
         if wanted:  # the sampled token, then the given ids (sampler.gather_specific_token_logprobs)
             pairs = [(int(i), float(logprobs[int(i)])) for i in wanted]
         else:

@@ -139,14 +139,15 @@ def read_reply(body: Any) -> Reply:
     return Reply(candidates, _usage(body.get("usage")), reasoning)
 
 
+def token_count(value: Any) -> int:
+    """A count of tokens a server reported: a non-negative integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def _usage(raw: Any) -> Usage:
     if not isinstance(raw, dict):
         return Usage()
     details = raw.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-
-    def count(value: Any) -> int:
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-    return Usage(input_tokens=count(raw.get("prompt_tokens")), cached_tokens=count(cached),
-                 output_tokens=count(raw.get("completion_tokens")))
+    return Usage(input_tokens=token_count(raw.get("prompt_tokens")), cached_tokens=token_count(cached),
+                 output_tokens=token_count(raw.get("completion_tokens")))

@@ -3,8 +3,9 @@
 reply read back as that position's candidates. Pure: no model, no network.
 
 What goes out (``GenerateReqInput``, top-level fields): the prompt's ``input_ids``, ``sampling_params`` for one greedy
-token with the neutral settings, ``return_logprob``, ``top_logprobs_num: k``, ``logprob_start_len: -1`` (the output
-position only) and ``token_ids_logprob``: the labels' ids, whose log-probabilities SGLang returns whatever their rank.
+token with the settings that keep the read exact, ``return_logprob``, ``top_logprobs_num: k``, ``logprob_start_len:
+-1`` (the output position only) and ``token_ids_logprob``: the labels' ids, whose log-probabilities SGLang returns
+whatever their rank.
 
 What comes back (``tokenizer_manager``'s ``meta_info``): ``output_token_logprobs`` (the chosen token, ``[logprob, id,
 text]``), ``output_top_logprobs`` and ``output_token_ids_logprobs`` (one list per output position, of ``[logprob, id,
@@ -14,14 +15,11 @@ text]``; text ``null`` unless ``return_text_in_logprobs``), and ``prompt_tokens`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..canonical import Candidate, Usage
-from .completions import NoLogprobs, Reply, number
-
-NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "top_k": -1, "top_p": 1.0,
-           "min_p": 0.0}
+from .completions import NoLogprobs, Reply, number, token_count
 
 
 def root(base_url: str) -> str:
@@ -29,8 +27,10 @@ def root(base_url: str) -> str:
     return base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
 
 
-def generate_body(prompt: Sequence[int], k: int, label_ids: Sequence[int]) -> dict[str, Any]:
-    return {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": 1, "temperature": 0, **NEUTRAL},
+def generate_body(prompt: Sequence[int], k: int, label_ids: Sequence[int],
+                  sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """One greedy token, with ``sampling`` (the server's settings that keep the read exact: ``Server.exact``)."""
+    return {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": 1, "temperature": 0, **sampling},
             "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1,
             "token_ids_logprob": list(label_ids), "stream": False}
 
@@ -61,10 +61,6 @@ def read_generate_reply(body: Any) -> Reply:
         raise NoLogprobs("its meta_info has no output_token_logprobs")
     candidates = _entries([chosen]) + _entries(_first(meta.get("output_token_ids_logprobs"))) + \
         _entries(_first(meta.get("output_top_logprobs")))
-
-    def count(name: str) -> int:
-        value = meta.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-    return Reply(candidates, Usage(input_tokens=count("prompt_tokens"), cached_tokens=count("cached_tokens"),
-                                   output_tokens=count("completion_tokens")))
+    return Reply(candidates, Usage(input_tokens=token_count(meta.get("prompt_tokens")),
+                                   cached_tokens=token_count(meta.get("cached_tokens")),
+                                   output_tokens=token_count(meta.get("completion_tokens"))))

@@ -16,7 +16,7 @@ as each server's own source reads its requests. Pure: no model, no network.
   only output bound its reasoning models take; any other server (``generic``): OpenAI's fields only.
 
 Which server a provider talks to is ``logprobs.server`` in its config, or, with ``auto``, read from its ``/v1/models``
-reply (``owned_by``), once.
+reply (``owned_by``), and read again every few minutes (``gateway.providers.served_facts``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ THINKING_OFF = MappingProxyType({"enable_thinking": False, "thinking": False})
 # vLLM's bound on logprob_token_ids (sampling_params.MAX_LOGPROB_TOKEN_IDS).
 MAX_LABEL_IDS = 128
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0}
+# What vLLM and SGLang take to read the model's own distribution: no penalty, no truncation (both default to the model's
+# generation_config.json).
+_SAMPLING_OFF = MappingProxyType({**_NEUTRAL, "repetition_penalty": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0})
 # "Requested sample logprobs of 1000, which is greater than max allowed: 20" (vLLM); "... at most 20" (others).
 _MAXIMUM = re.compile(r"(?:max(?:imum)? allowed:?|at most|must be (?:<=|less than or equal to)) *(\d+)", re.I)
 
@@ -69,15 +72,11 @@ class Server:
 
 
 SERVERS: dict[str, Server] = {
-    "vllm": Server("vllm", label_ids=True, template_kwargs=True,
-                   exact=MappingProxyType({**_NEUTRAL, "repetition_penalty": 1.0, "top_p": 1.0, "top_k": -1,
-                                           "min_p": 0.0}),
+    "vllm": Server("vllm", label_ids=True, template_kwargs=True, exact=_SAMPLING_OFF,
                    fix="vLLM 0.32 or later reads each label by its token id (logprob_token_ids); on an older vLLM, "
                        "raise --max-logprobs, or start it with --logprobs-mode processed_logprobs and set "
                        "logprobs.restrict: allowed_token_ids"),
-    "sglang": Server("sglang", generate_route=True, template_kwargs=True,
-                     exact=MappingProxyType({**_NEUTRAL, "repetition_penalty": 1.0, "top_p": 1.0, "top_k": -1,
-                                             "min_p": 0.0}),
+    "sglang": Server("sglang", generate_route=True, template_kwargs=True, exact=_SAMPLING_OFF,
                      fix="set logprobs.restrict: logit_bias (SGLang applies it before its log-probabilities)"),
     "llamacpp": Server("llamacpp", exact=MappingProxyType({**_NEUTRAL, "repeat_penalty": 1.0}),
                        fix="raise logprobs.widen_to (llama.cpp's servers give any number of log-probabilities)"),

@@ -230,6 +230,10 @@ class HttpProvider(Provider):
         tracing.inject(headers)
         return headers
 
+    def auth(self) -> dict[str, str]:
+        """The header that carries this provider's key (a Bearer token; Azure overrides it)."""
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
     def session(self) -> aiohttp.ClientSession:
         """The aiohttp session of the running event loop (made on first use: a session belongs to one loop)."""
         session, loop = self._session, asyncio.get_running_loop()

@@ -97,7 +97,7 @@ class LabelReads:
         if self.server.generate_route and not self.provider.chat and ids and \
                 not self.facts.get(facts.NO_GENERATE_ROUTE):
             try:
-                reply = await self.provider.send_generate(self.scoring, self.options.top_logprobs)
+                reply = await self.provider.send_generate(self.scoring, self.options.top_logprobs, self.server.exact)
             except Refusal:  # the route is not there (a proxy in front of /v1 only): its OpenAI route, for a while
                 self.facts.learn(facts.NO_GENERATE_ROUTE, True)
             else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from ...canonical import DecisionRequest, DecisionResult, Image, Question, Usage
 from ...dialects import completions as wire
@@ -163,8 +164,8 @@ class LogprobsProvider(HttpProvider):
         decider = self.decider(upstream)
         prepared, scorings, pending = await asyncio.to_thread(self._prepare, decider, request)
         kwargs = decider.prompter.template_kwargs(request.chat_template_kwargs) if self.chat else {}
-        images = request.images()
-        reads = await _bounded([self._read(s, upstream, images, kwargs) for s in scorings],
+        images, server = request.images(), await self._server()
+        reads = await _bounded([self._read(s, upstream, images, kwargs, server) for s in scorings],
                                self.options.concurrency)
         answers = decider.answers(request, prepared, decider.evidence_of(prepared, pending,
                                                                           [r.logprobs for r in reads]))
@@ -213,22 +214,19 @@ class LogprobsProvider(HttpProvider):
         known: servers.Server | None = self.facts.get(facts.SERVER)
         if known is None:
             try:
-                known = servers.detect(await self.get_json(f"{self.base_url}/models", self._auth()))
+                known = servers.detect(await self.get_json(f"{self.base_url}/models", self.auth()))
             except ProviderError:
                 known = servers.SERVERS["generic"]
             self.facts.learn(facts.SERVER, known)
         return known
 
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-
-    async def _read(self, scoring: Scoring, upstream: str, images: list[Image],
-                    kwargs: dict[str, Any]) -> Read:
+    async def _read(self, scoring: Scoring, upstream: str, images: list[Image], kwargs: dict[str, Any],
+                    server: servers.Server) -> Read:
         """One prompt's label log-probabilities: one read, which on a server that reads given token ids (vLLM's
         ``logprob_token_ids``) holds every label exactly; where a label is missing, a read restricted to the labels
         (not where this server proved to report log-probabilities before its restriction), then a plain read of
         the top ``widen_to``, at most the server's maximum."""
-        reads = LabelReads(self, scoring, upstream, images, kwargs, await self._server())
+        reads = LabelReads(self, scoring, upstream, images, kwargs, server)
         found, usage = await reads.first()
         if served.complete(found):
             return Read([v for v in found if v is not None], True, usage)
@@ -256,19 +254,19 @@ class LogprobsProvider(HttpProvider):
         route = "chat/completions" if self.chat else "completions"
         return await self._ask(scoring, f"{self.base_url}/{route}", body, wire.read_reply, shown)
 
-    async def send_generate(self, scoring: Scoring, k: int) -> wire.Reply:
-        """One request to SGLang's native ``/generate`` route: the top ``k`` and every label by its token id; a
-        server without the route (404) refuses it."""
-        body = generate_route.generate_body(scoring.prompt.ids, k, scoring.prompt.label_ids)
+    async def send_generate(self, scoring: Scoring, k: int, sampling: Mapping[str, Any]) -> wire.Reply:
+        """One request to SGLang's native ``/generate`` route: the top ``k`` and every label by its token id, with
+        the server's ``sampling`` settings; a server without the route (404) refuses it."""
+        body = generate_route.generate_body(scoring.prompt.ids, k, scoring.prompt.label_ids, sampling)
         url = f"{generate_route.root(self.base_url)}/generate"
         return await self._ask(scoring, url, body, generate_route.read_generate_reply, [], missing_refuses=True)
 
     async def _ask(self, scoring: Scoring, url: str, body: dict[str, Any], read: Callable[[Any], wire.Reply],
-                        shown: list[Image], missing_refuses: bool = False) -> wire.Reply:
+                   shown: list[Image], missing_refuses: bool = False) -> wire.Reply:
         """POST ``body`` and ``read`` the reply; a server's refusal of a request decisiond checked is a ``Refusal``
         (a 404 too, where ``missing_refuses``: a route the server lacks)."""
         try:
-            data = await self.post(url, self._auth(), json=body)
+            data = await self.post(url, self.auth(), json=body)
         except ProviderError as error:
             if error.failover or error.status in (401, 403) or (error.status == 404 and not missing_refuses):
                 raise
@@ -279,7 +277,7 @@ class LogprobsProvider(HttpProvider):
             reply = read(data)
         except wire.NoLogprobs as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} answered without log-probabilities ({e}); "
-                                 f"the server must support logprobs on {url.rsplit('/', 1)[-1]}",
+                                 f"the server must support logprobs on its {urlsplit(url).path} route",
                                  code="upstream_no_logprobs") from None
         except (ValueError, TypeError, AttributeError) as e:
             raise provider_error(self.name, 502, f"provider {self.name!r} answered in an unexpected shape: {e}",

@@ -42,9 +42,6 @@ class OpenAIProvider(HttpProvider):
             raise provider_error(self.name, 502, f"provider {self.name!r} is unreachable: {type(e).__name__}",
                                  code="upstream_unavailable") from e
 
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         data = await self.post(self.url(upstream), self.auth(), json=wire.render_request(request, upstream))
         return self.translate(wire.parse_response, data, request)

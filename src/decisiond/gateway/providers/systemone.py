@@ -38,7 +38,7 @@ class SystemOneProvider(HttpProvider):
 
     async def decide(self, request: DecisionRequest, upstream: str) -> DecisionResult:
         outbound = wire.render_request(request, upstream)
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        headers = self.auth()
         if outbound.files:
             headers["TypeSafe-Danger-Zone-Images"] = "true"
             files: list[tuple[str, tuple[str | None, bytes, str]]] = [
